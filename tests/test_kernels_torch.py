@@ -1,0 +1,205 @@
+"""The torch (CPU) backend against the float64 dense reference."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernels import get_backend
+from kernels.reference import reference_paged_attention, reference_write_kv
+from kernels.testing import PagedBatch, make_batch
+from kernels.torch_backend import TorchBackend, _split_buckets
+
+
+def run_and_compare(
+    batch: PagedBatch,
+    sliding_window: int | None = None,
+    atol: float = 2e-5,
+    rtol: float = 1e-4,
+    backend: TorchBackend | None = None,
+) -> None:
+    """write_kv then paged_attention, checked against the reference on a copy of the cache."""
+    backend = backend or TorchBackend()
+    scale = batch.query.shape[-1] ** -0.5
+    ref_k, ref_v = batch.k_cache.clone(), batch.v_cache.clone()
+    reference_write_kv(batch.key, batch.value, ref_k, ref_v, batch.meta.slot_mapping)
+    backend.write_kv(batch.key, batch.value, batch.k_cache, batch.v_cache, batch.meta.slot_mapping)
+    torch.testing.assert_close(batch.k_cache, ref_k, atol=0, rtol=0)
+    torch.testing.assert_close(batch.v_cache, ref_v, atol=0, rtol=0)
+    expected = reference_paged_attention(
+        batch.query.double(), ref_k.double(), ref_v.double(), batch.meta, scale, sliding_window
+    )
+    got = backend.paged_attention(
+        batch.query, batch.key, batch.value, batch.k_cache, batch.v_cache, batch.meta, scale,
+        sliding_window,
+    )  # fmt: skip
+    assert got.dtype == batch.query.dtype
+    assert got.shape == batch.query.shape
+    torch.testing.assert_close(got.double(), expected, atol=atol, rtol=rtol)
+
+
+# (query_lens, seq_lens): the named edge cases
+CASES = {
+    "decode_ragged": ([1, 1, 1, 1], [1, 7, 33, 60]),
+    "one_full_block": ([1, 16], [16, 16]),
+    "one_past_block": ([1, 1], [17, 33]),
+    "pure_prefill": ([12], [12]),
+    "prefix_then_chunk": ([9], [40]),
+    "mixed": ([5, 1, 20, 1, 1], [5, 30, 50, 2, 17]),
+    "chunk_ends_on_boundary": ([16, 1], [32, 16]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_named_cases(case: str, block_size: int) -> None:
+    q_lens, s_lens = CASES[case]
+    batch = make_batch(
+        q_lens, s_lens, num_heads=8, num_kv_heads=4, head_dim=64, block_size=block_size
+    )
+    run_and_compare(batch)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 4), (8, 2), (6, 1)])
+def test_heads_and_gqa(head_dim: int, num_heads: int, num_kv_heads: int) -> None:
+    batch = make_batch(
+        [1, 7, 1, 3], [19, 7, 40, 25],
+        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=16,
+    )  # fmt: skip
+    run_and_compare(batch)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 40])
+def test_sliding_window(window: int) -> None:
+    batch = make_batch(
+        [1, 1, 10, 30, 1], [3, 50, 45, 30, 33],
+        num_heads=8, num_kv_heads=4, head_dim=32, block_size=8, seed=window,
+    )  # fmt: skip
+    run_and_compare(batch, sliding_window=window)
+
+
+def test_sliding_window_matches_transformers_convention() -> None:
+    """HF: kv_idx > q_idx - W, so each token sees itself and the W - 1 before it."""
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    from kernels.reference import attention_mask
+
+    window, length = 4, 10
+    hf = sliding_window_causal_mask_function(window)
+    ours = attention_mask(torch.arange(length), length, window)
+    for q in range(length):
+        for k in range(length):
+            hf_allowed = hf(0, 0, torch.tensor(q), torch.tensor(k))
+            assert bool(ours[q, k]) == bool(hf_allowed), (q, k)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs(dtype: torch.dtype) -> None:
+    batch = make_batch(
+        [1, 9, 1], [30, 20, 64],
+        num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype,
+    )  # fmt: skip
+    run_and_compare(batch, atol=2e-2, rtol=2e-2)
+
+
+def test_float64_stays_float64() -> None:
+    batch = make_batch(
+        [1, 6], [21, 30], num_heads=4, num_kv_heads=2, head_dim=32, block_size=8,
+        dtype=torch.float64,
+    )  # fmt: skip
+    run_and_compare(batch, atol=1e-12, rtol=1e-10)
+
+
+def test_many_decodes_are_bucketed_correctly() -> None:
+    """Enough decode tokens with spread-out lengths to produce several buckets."""
+    gen = torch.Generator().manual_seed(7)
+    s_lens = torch.randint(1, 300, (96,), generator=gen).tolist()
+    q_lens = [1] * 96
+    q_lens[10], s_lens[10] = 40, 200  # a prefill in the middle of the decodes
+    batch = make_batch(q_lens, s_lens, num_heads=8, num_kv_heads=4, head_dim=64, block_size=16)
+    run_and_compare(batch)
+
+
+def test_plan_is_reused_across_layers_and_rebuilt_per_step() -> None:
+    backend = TorchBackend()
+    first = make_batch([1, 4], [20, 4], num_heads=4, num_kv_heads=2, head_dim=32, block_size=8)
+    for _ in range(2):  # two "layers" share the metadata object
+        run_and_compare(make_batch_like(first), backend=backend)
+    second = make_batch(
+        [1, 1, 3], [9, 40, 12], num_heads=4, num_kv_heads=2, head_dim=32, block_size=8, seed=3
+    )
+    run_and_compare(second, backend=backend)
+
+
+def make_batch_like(batch: PagedBatch) -> PagedBatch:
+    """Same metadata object, fresh tensors (as a second layer would see)."""
+    return PagedBatch(
+        query=torch.randn_like(batch.query),
+        key=torch.randn_like(batch.key),
+        value=torch.randn_like(batch.value),
+        k_cache=batch.k_cache.clone(),
+        v_cache=batch.v_cache.clone(),
+        meta=batch.meta,
+    )
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    data=st.lists(
+        st.tuples(st.integers(1, 70), st.integers(0, 70), st.booleans()), min_size=1, max_size=6
+    ),
+    block_size=st.sampled_from([8, 16, 32]),
+    gqa=st.sampled_from([(4, 4), (4, 2), (8, 2)]),
+    window=st.one_of(st.none(), st.integers(1, 80)),
+    seed=st.integers(0, 2**16),
+)
+def test_random_batches(
+    data: list[tuple[int, int, bool]],
+    block_size: int,
+    gqa: tuple[int, int],
+    window: int | None,
+    seed: int,
+) -> None:
+    q_lens = [1 if decode else q for q, _, decode in data]
+    s_lens = [q + prefix for (_, prefix, _), q in zip(data, q_lens, strict=True)]
+    batch = make_batch(
+        q_lens, s_lens, num_heads=gqa[0], num_kv_heads=gqa[1], head_dim=32,
+        block_size=block_size, seed=seed,
+    )  # fmt: skip
+    run_and_compare(batch, sliding_window=window)
+
+
+def test_write_kv_scatters_by_slot() -> None:
+    backend = TorchBackend()
+    k_cache = torch.zeros(4, 8, 2, 16)
+    v_cache = torch.zeros(4, 8, 2, 16)
+    slots = torch.tensor([31, 0, 9, 17], dtype=torch.int64)
+    key = torch.randn(4, 2, 16)
+    value = torch.randn(4, 2, 16)
+    backend.write_kv(key, value, k_cache, v_cache, slots)
+    for i, slot in enumerate(slots.tolist()):
+        assert torch.equal(k_cache[slot // 8, slot % 8], key[i])
+        assert torch.equal(v_cache[slot // 8, slot % 8], value[i])
+    written = torch.zeros(32, dtype=torch.bool)
+    written[slots] = True
+    assert k_cache.view(32, -1)[~written].abs().sum() == 0
+
+
+def test_split_buckets_covers_everything_in_order() -> None:
+    counts = sorted([1, 1, 2, 3, 5, 8, 13, 21, 34, 50] * 20)
+    cuts = _split_buckets(counts)
+    assert cuts[0][0] == 0 and cuts[-1][1] == len(counts)
+    for (_, hi), (lo, _) in itertools.pairwise(cuts):
+        assert hi == lo
+    assert 1 < len(cuts) <= 8
+
+
+def test_get_backend_picks_torch_on_cpu() -> None:
+    backend = get_backend("cpu")
+    assert backend.name == "torch"
+    assert get_backend("cpu") is backend
