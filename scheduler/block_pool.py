@@ -1,0 +1,202 @@
+"""The physical block pool: reference counts, the free queue, and the prefix-cache table.
+
+Pure bookkeeping: block ids are integers ``0 .. num_blocks-1``; the KV tensors they index live in
+the model runner. Nothing here raises on exhaustion: allocation answers ``None``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+BlockHash = bytes
+
+
+def hash_block(parent: BlockHash | None, tokens: list[int] | tuple[int, ...], extra: str | None) -> BlockHash:
+    """Chained digest of one full block: parent digest, the block's token ids, an optional salt.
+
+    A 128-bit BLAKE2b digest makes accidental collisions practically impossible; the pool still
+    checks the stored token ids on every hit, so a collision could at worst miss, never share
+    wrong keys and values.
+    """
+    h = hashlib.blake2b(digest_size=16)
+    if parent is not None:
+        h.update(parent)
+    h.update(array("q", tokens).tobytes())
+    if extra:
+        h.update(b"\x00salt\x00")
+        h.update(extra.encode())
+    return h.digest()
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    queried_blocks: int = 0
+    hit_blocks: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+@dataclass(slots=True)
+class PoolOccupancy:
+    """A snapshot of the pool, cheap enough to take once a second."""
+
+    num_blocks: int
+    block_size: int
+    free: int  # reference count 0 (includes cached_evictable)
+    in_use: int  # reference count >= 1
+    cached_evictable: int  # free but still holding a reusable prefix
+    shared: int  # reference count >= 2
+    tokens_stored: int = 0
+    fragmentation_slots: int = 0  # allocated slots not holding a token
+    block_states: bytes = b""  # one byte per block: 0 free, 1 in use, 2 cached, 3 shared
+    block_tables: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def usage(self) -> float:
+        return self.in_use / self.num_blocks if self.num_blocks else 0.0
+
+    @property
+    def waste_fraction(self) -> float:
+        allocated = self.in_use * self.block_size
+        return self.fragmentation_slots / allocated if allocated else 0.0
+
+
+FREE, IN_USE, CACHED, SHARED = 0, 1, 2, 3
+
+
+class BlockPool:
+    """Reference-counted blocks with an LRU free queue that doubles as the prefix-cache eviction order.
+
+    The free queue is an ``OrderedDict`` (O(1) removal from the middle when a cached block is hit).
+    Blocks that hold no reusable prefix sit at its front and are handed out first; blocks that do
+    are appended at its back when released, so the least recently used prefix is evicted first.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks <= 0:
+            raise ValueError("num_blocks must be positive")
+        if block_size <= 0 or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts: list[int] = [0] * num_blocks
+        self._hash_of: list[BlockHash | None] = [None] * num_blocks
+        self._tokens_of: list[tuple[int, ...] | None] = [None] * num_blocks
+        self._cached: dict[BlockHash, int] = {}
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.stats = PrefixCacheStats()
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached_evictable(self) -> int:
+        return sum(1 for b in self._free if self._hash_of[b] is not None)
+
+    def is_cached(self, block: int) -> bool:
+        return self._hash_of[block] is not None
+
+    def lookup(self, block_hash: BlockHash, tokens: list[int]) -> int | None:
+        """The cached block holding exactly ``tokens`` under ``block_hash``, or None."""
+        block = self._cached.get(block_hash)
+        if block is None or self._tokens_of[block] != tuple(tokens):
+            return None
+        return block
+
+    # --------------------------------------------------------------- mutation
+    def allocate(self) -> int | None:
+        """Take the block at the front of the free queue (evicting its cached prefix, if any)."""
+        if not self._free:
+            return None
+        block, _ = self._free.popitem(last=False)
+        self._evict(block)
+        self.ref_counts[block] = 1
+        return block
+
+    def allocate_many(self, n: int) -> list[int] | None:
+        if n > len(self._free):
+            return None
+        return [self.allocate() for _ in range(n)]  # type: ignore[misc]
+
+    def acquire(self, block: int) -> None:
+        """Take one more reference to ``block`` (a prefix-cache hit or a fork)."""
+        if self.ref_counts[block] == 0:
+            del self._free[block]
+        self.ref_counts[block] += 1
+
+    def release(self, block: int) -> None:
+        ref = self.ref_counts[block] - 1
+        if ref < 0:
+            raise AssertionError(f"block {block} released more often than acquired")
+        self.ref_counts[block] = ref
+        if ref == 0:
+            self._free[block] = None
+            if self._hash_of[block] is None:
+                self._free.move_to_end(block, last=False)
+
+    def release_table(self, table: list[int]) -> None:
+        """Release a whole table, tail first, so tail blocks are evicted before head blocks."""
+        for block in reversed(table):
+            self.release(block)
+
+    def register(self, block: int, block_hash: BlockHash, tokens: list[int]) -> None:
+        """Record that ``block`` holds the full block ``tokens`` (first writer wins)."""
+        if not self.enable_prefix_caching or self._hash_of[block] is not None:
+            return
+        if block_hash in self._cached:
+            return  # an identical block is cached already; this one stays private
+        self._cached[block_hash] = block
+        self._hash_of[block] = block_hash
+        self._tokens_of[block] = tuple(tokens)
+
+    def _evict(self, block: int) -> None:
+        h = self._hash_of[block]
+        if h is not None:
+            del self._cached[h]
+            self._hash_of[block] = None
+            self._tokens_of[block] = None
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix held by free blocks; returns how many were dropped."""
+        dropped = 0
+        for block in list(self._free):
+            if self._hash_of[block] is not None:
+                self._evict(block)
+                self._free.move_to_end(block, last=False)
+                dropped += 1
+        return dropped
+
+    # --------------------------------------------------------------- snapshot
+    def occupancy(self) -> PoolOccupancy:
+        states = bytearray(self.num_blocks)
+        in_use = shared = cached = 0
+        for b, ref in enumerate(self.ref_counts):
+            if ref >= 2:
+                states[b] = SHARED
+                shared += 1
+                in_use += 1
+            elif ref == 1:
+                states[b] = IN_USE
+                in_use += 1
+            elif self._hash_of[b] is not None:
+                states[b] = CACHED
+                cached += 1
+        return PoolOccupancy(
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            free=len(self._free),
+            in_use=in_use,
+            cached_evictable=cached,
+            shared=shared,
+            block_states=bytes(states),
+        )
