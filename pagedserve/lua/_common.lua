@@ -1,0 +1,41 @@
+-- Shared helpers, prepended to every script by pagedserve.store (not a script of its own).
+
+local function now_s()
+  local t = redis.call('TIME')
+  return string.format('%.3f', tonumber(t[1]) + tonumber(t[2]) / 1000000)
+end
+
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+local function is_terminal(s)
+  return s == 'succeeded' or s == 'failed' or s == 'cancelled'
+end
+
+-- Ends a job: final status and time, the end event for streamers, and the retention TTL on
+-- everything the job owns (record, events, idempotency key).
+local function finish(job, events, status, retention_s, events_maxlen)
+  redis.call('HSET', job, 'status', status, 'finished_at', now_s())
+  redis.call('HDEL', job, 'lease_expiry')
+  redis.call('XADD', events, 'MAXLEN', '~', events_maxlen, '*', 'type', 'end', 'status', status)
+  redis.call('EXPIRE', job, retention_s)
+  redis.call('EXPIRE', events, retention_s)
+  local ik = redis.call('HGET', job, 'idem_key')
+  if ik then
+    redis.call('EXPIRE', ik, retention_s)
+  end
+end
+
+-- True when `fence` is the job's current lease and the job is still owned by a worker.
+local function holds(job, fence)
+  local cur = redis.call('HMGET', job, 'fence', 'status')
+  if not cur[2] then
+    return false, 'missing'
+  end
+  if cur[1] ~= fence or (cur[2] ~= 'running' and cur[2] ~= 'cancelling') then
+    return false, 'stale'
+  end
+  return true, cur[2]
+end

@@ -1,0 +1,19 @@
+-- KEYS: job hash, priority stream, idempotency key (ignored unless ARGV[4] == '1')
+-- ARGV: job id, request JSON, priority, has idempotency key ('1' / '0')
+-- Returns {job id, 1 if created / 0 if the idempotency key named an existing job}.
+local job, stream, idem = KEYS[1], KEYS[2], KEYS[3]
+if ARGV[4] == '1' then
+  local existing = redis.call('GET', idem)
+  if existing then
+    return {existing, 0}
+  end
+  redis.call('SET', idem, ARGV[1])
+end
+local entry = redis.call('XADD', stream, '*', 'job', ARGV[1])
+redis.call('HSET', job, 'id', ARGV[1], 'status', 'queued', 'request', ARGV[2],
+  'priority', ARGV[3], 'created_at', now_s(), 'tokens_generated', 0, 'deliveries', 0,
+  'fence', 0, 'entry', entry, 'stream', stream)
+if ARGV[4] == '1' then
+  redis.call('HSET', job, 'idem_key', idem)
+end
+return {ARGV[1], 1}

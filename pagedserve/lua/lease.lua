@@ -1,0 +1,50 @@
+-- Leases one delivered stream entry to a consumer.
+-- KEYS: job hash, priority stream, dead-letter stream, events stream
+-- ARGV: consumer, group, entry id, lease ms, max deliveries, retention s, events maxlen
+-- Returns {'ok', fence, request JSON, deliveries} | {'skip', why} | {'dead', reason}.
+local job, stream, dead, events = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local consumer, group, entry = ARGV[1], ARGV[2], ARGV[3]
+local lease_ms, max_deliveries = tonumber(ARGV[4]), tonumber(ARGV[5])
+local retention, maxlen = ARGV[6], ARGV[7]
+
+local cur = redis.call('HMGET', job, 'status', 'entry', 'id')
+local status = cur[1]
+if not status then
+  redis.call('XACK', stream, group, entry)
+  return {'skip', 'missing'}
+end
+if is_terminal(status) then
+  redis.call('XACK', stream, group, entry)
+  return {'skip', status}
+end
+if cur[2] ~= entry then
+  -- The job went back to the queue under a newer entry (release); this one is obsolete.
+  redis.call('XACK', stream, group, entry)
+  return {'skip', 'superseded'}
+end
+if status == 'cancelling' then
+  -- Its previous owner died between the cancel request and honouring it.
+  finish(job, events, 'cancelled', retention, maxlen)
+  redis.call('XACK', stream, group, entry)
+  return {'skip', 'cancelled'}
+end
+
+local deliveries = redis.call('HINCRBY', job, 'deliveries', 1)
+if deliveries > max_deliveries then
+  local reason = 'dead-lettered: delivered ' .. deliveries .. ' times (max ' .. max_deliveries .. ')'
+  redis.call('HSET', job, 'error', reason)
+  redis.call('HINCRBY', job, 'fence', 1)
+  finish(job, events, 'failed', retention, maxlen)
+  redis.call('XADD', dead, '*', 'job', cur[3], 'stream', stream, 'entry', entry,
+    'deliveries', deliveries, 'reason', reason)
+  redis.call('XACK', stream, group, entry)
+  return {'dead', reason}
+end
+
+local fence = redis.call('HINCRBY', job, 'fence', 1)
+-- Make sure the entry sits in this consumer's pending list (it may come from XAUTOCLAIM or an
+-- old consumer), with its idle time reset.
+redis.call('XCLAIM', stream, group, consumer, 0, entry, 'JUSTID')
+redis.call('HSET', job, 'status', 'running', 'worker', consumer, 'lease_expiry', now_ms() + lease_ms)
+redis.call('HSETNX', job, 'started_at', now_s())
+return {'ok', fence, redis.call('HGET', job, 'request'), deliveries}

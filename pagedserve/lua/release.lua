@@ -1,0 +1,25 @@
+-- Hands a running job back to the queue (worker drain): a fresh stream entry at the tail, the old
+-- one acked, the lease revoked. The delivery does not count against max deliveries.
+-- A job being cancelled is cancelled instead.
+-- KEYS: job hash, priority stream, events stream
+-- ARGV: fence, group, job id, retention s, events maxlen
+-- Returns 'queued' | 'cancelled' | 'stale' | 'missing'.
+local job, stream, events = KEYS[1], KEYS[2], KEYS[3]
+local ok, status = holds(job, ARGV[1])
+if not ok then
+  return status
+end
+local old = redis.call('HGET', job, 'entry')
+if status == 'cancelling' then
+  finish(job, events, 'cancelled', ARGV[4], ARGV[5])
+  redis.call('XACK', stream, ARGV[2], old)
+  return 'cancelled'
+end
+local entry = redis.call('XADD', stream, '*', 'job', ARGV[3])
+redis.call('XACK', stream, ARGV[2], old)
+redis.call('HSET', job, 'status', 'queued', 'entry', entry, 'tokens_generated', 0)
+redis.call('HDEL', job, 'worker', 'lease_expiry', 'started_at', 'first_token_at')
+redis.call('HINCRBY', job, 'deliveries', -1)
+redis.call('HINCRBY', job, 'fence', 1)
+redis.call('XADD', events, 'MAXLEN', '~', ARGV[5], '*', 'type', 'restart')
+return 'queued'

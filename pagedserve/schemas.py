@@ -1,0 +1,173 @@
+"""The job contract: what a client submits, what the store keeps, what a worker writes back.
+
+Everything here is plain JSON on the wire and in Redis (never pickle).
+"""
+
+from __future__ import annotations
+
+import json
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from pagedserve.keys import Priority
+from pagedserve.params import SamplingParams
+
+#: Largest ``metadata`` object accepted, measured as compact JSON.
+MAX_METADATA_BYTES = 16 * 1024
+#: Largest idempotency key (it becomes part of a Redis key name).
+MAX_IDEMPOTENCY_KEY = 256
+
+
+class JobStatus(StrEnum):
+    """Life cycle: queued -> running -> succeeded | failed; cancel: cancelling -> cancelled."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
+    #: Only an answer (``cancel`` / ``status`` of an unknown or expired id), never stored.
+    NOT_FOUND = "not_found"
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL_STATUSES
+
+
+TERMINAL_STATUSES = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED})
+
+
+class ChatMessage(BaseModel):
+    """One chat turn; the worker renders a list of them with the model's chat template."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
+class JobRequest(BaseModel):
+    """One generation request: exactly one of ``prompt`` (text or token ids) or ``messages``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prompt: str | list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    params: SamplingParams = Field(default_factory=SamplingParams)
+    priority: Priority = "interactive"
+    idempotency_key: str | None = Field(None, min_length=1, max_length=MAX_IDEMPOTENCY_KEY)
+    metadata: dict[str, Any] | None = None
+    model: str | None = Field(None, min_length=1, max_length=256)
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_not_empty(cls, v: str | list[int] | None) -> str | list[int] | None:
+        if v is None:
+            return v
+        if len(v) == 0:
+            raise ValueError("prompt must not be empty")
+        if isinstance(v, list) and any(t < 0 for t in v):
+            raise ValueError("prompt token ids must be non-negative")
+        return v
+
+    @field_validator("messages")
+    @classmethod
+    def _messages_not_empty(cls, v: list[ChatMessage] | None) -> list[ChatMessage] | None:
+        if v is not None and len(v) == 0:
+            raise ValueError("messages must contain at least one message")
+        return v
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_small(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is None:
+            return v
+        try:
+            size = len(json.dumps(v, separators=(",", ":")).encode())
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"metadata must be JSON-serializable: {e}") from e
+        if size > MAX_METADATA_BYTES:
+            raise ValueError(
+                f"metadata is {size} bytes of JSON; the limit is {MAX_METADATA_BYTES} bytes"
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _exactly_one_input(self) -> JobRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' or 'messages'")
+        return self
+
+
+class TokenLogprob(BaseModel):
+    """The sampled token's log-probability and the top alternatives at that position."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    token_id: int
+    logprob: float
+    top_logprobs: dict[int, float] = Field(default_factory=dict)
+
+
+class Completion(BaseModel):
+    """One of the ``n`` completions of a request."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    index: int = Field(ge=0)
+    text: str
+    token_ids: list[int]
+    finish_reason: Literal["stop", "length", "abort"]
+    logprobs: list[TokenLogprob] | None = None
+
+
+class JobResult(BaseModel):
+    """What a worker writes for a succeeded job."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    completions: list[Completion]
+    prompt_tokens: int = Field(ge=0)
+    cached_prompt_tokens: int = Field(0, ge=0)
+    completion_tokens: int = Field(ge=0)
+
+
+class JobRecord(BaseModel):
+    """A job as the store holds it (times are Unix seconds from the Redis server's clock)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    status: JobStatus
+    request: JobRequest
+    priority: Priority = "interactive"
+    created_at: float
+    started_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    tokens_generated: int = 0
+    worker: str | None = None
+    deliveries: int = 0
+    result: JobResult | None = None
+    error: str | None = None
+
+
+class DeltaEvent(BaseModel):
+    """One entry of a job's events stream, as :meth:`Client.stream` yields it.
+
+    ``type`` is ``delta`` (new text/tokens for completion ``index``), ``restart`` (the job went
+    back to the queue: discard what was streamed so far) or ``end`` (``status`` is final).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    type: Literal["delta", "restart", "end"]
+    index: int = 0
+    text: str = ""
+    token_ids: list[int] = Field(default_factory=list)
+    tokens_generated: int = 0
+    status: JobStatus | None = None
