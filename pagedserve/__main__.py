@@ -1,0 +1,5 @@
+"""``python -m pagedserve`` runs the CLI."""
+
+from pagedserve.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,173 @@
+"""The ``pagedserve`` command line (also ``python -m pagedserve``); prints JSON.
+
+``submit``, ``status``, ``cancel`` talk to Redis only. ``make-model`` and ``worker`` hand their
+remaining arguments to ``worker.make_model.main`` / ``worker.service.main``, imported only when
+used, so that the light subcommands never load torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import ValidationError
+
+from pagedserve.redis_util import DEFAULT_URL, URL_ENV, default_url
+
+#: Subcommands that forward everything after them to another module's ``main(argv)``.
+DELEGATED = {
+    "make-model": "worker.make_model",
+    "worker": "worker.service",
+}
+
+
+def _print(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
+    ap.add_argument(
+        "--redis",
+        default=None,
+        help=f"Redis URL (default: ${URL_ENV}, else {DEFAULT_URL})",
+    )
+    ap.add_argument("--prefix", default="ps", help="Redis key prefix (default: ps)")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("submit", help="queue one job; prints {id} (or the record with --wait)")
+    s.add_argument("prompt", help="prompt text, or a JSON list of chat messages with --chat")
+    s.add_argument("--chat", action="store_true", help="PROMPT is a JSON list of {role, content}")
+    s.add_argument("--max-tokens", type=int, default=16)
+    s.add_argument("--min-tokens", type=int, default=0)
+    s.add_argument("--temperature", type=float, default=1.0)
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--top-k", type=int, default=0)
+    s.add_argument("--n", type=int, default=1)
+    s.add_argument("--seed", type=int, default=None)
+    s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    s.add_argument("--ignore-eos", action="store_true")
+    s.add_argument("--priority", choices=["interactive", "bulk"], default="interactive")
+    s.add_argument("--idempotency-key", default=None)
+    s.add_argument("--metadata", default=None, help="a JSON object stored with the job")
+    s.add_argument("--model", default=None)
+    s.add_argument("--wait", action="store_true", help="wait for the job and print its record")
+    s.add_argument("--timeout", type=float, default=None, help="seconds to --wait")
+
+    st = sub.add_parser("status", help="print a job's record ({id, status: not_found} if none)")
+    st.add_argument("id")
+
+    c = sub.add_parser("cancel", help="cancel a job; prints {id, status}")
+    c.add_argument("id")
+
+    for name, module in DELEGATED.items():
+        sub.add_parser(name, help=f"run {module}.main with the remaining arguments", add_help=False)
+    return ap
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from pagedserve.client import Client
+
+    return Client(args.redis or default_url(), prefix=args.prefix)
+
+
+def _submit(args: argparse.Namespace) -> int:
+    from pagedserve.client import build_request
+
+    params = {
+        "max_tokens": args.max_tokens,
+        "min_tokens": args.min_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "n": args.n,
+        "seed": args.seed,
+        "stop": args.stop,
+        "ignore_eos": args.ignore_eos,
+    }
+    try:
+        prompt = json.loads(args.prompt) if args.chat else args.prompt
+        metadata = json.loads(args.metadata) if args.metadata else None
+        req = build_request(
+            prompt,
+            params,
+            priority=args.priority,
+            idempotency_key=args.idempotency_key,
+            metadata=metadata,
+            model=args.model,
+        )
+    except (ValidationError, json.JSONDecodeError) as e:
+        _print({"error": "invalid request", "detail": str(e)})
+        return 2
+    client = _client(args)
+    job_id = client.submit_request(req)
+    if not args.wait:
+        _print({"id": job_id})
+        return 0
+    try:
+        rec = client.wait(job_id, timeout=args.timeout)
+    except TimeoutError as e:
+        _print({"id": job_id, "error": str(e)})
+        return 3
+    _print(rec.model_dump(mode="json"))
+    return 0 if rec.status == "succeeded" else 1
+
+
+def _status(args: argparse.Namespace) -> int:
+    rec = _client(args).get(args.id)
+    if rec is None:
+        _print({"id": args.id, "status": "not_found"})
+        return 1
+    _print(rec.model_dump(mode="json"))
+    return 0
+
+
+def _cancel(args: argparse.Namespace) -> int:
+    status = _client(args).cancel(args.id)
+    _print({"id": args.id, "status": status.value})
+    return 1 if status == "not_found" else 0
+
+
+def _split_delegated(argv: list[str]) -> tuple[dict[str, str], str, list[str]] | None:
+    """``[global options] make-model|worker REST...`` -> (global options, module, REST)."""
+    opts: dict[str, str] = {}
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok in ("--redis", "--prefix") and i + 1 < len(argv):
+            opts[tok[2:]] = argv[i + 1]
+            i += 2
+        elif tok.startswith(("--redis=", "--prefix=")):
+            name, _, value = tok[2:].partition("=")
+            opts[name] = value
+            i += 1
+        elif tok in DELEGATED:
+            return opts, DELEGATED[tok], argv[i + 1 :]
+        else:
+            return None
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    delegated = _split_delegated(argv)
+    if delegated is not None:
+        opts, module_name, rest = delegated
+        # The other module reads its own arguments; a --redis given here reaches it by the env.
+        if "redis" in opts:
+            os.environ[URL_ENV] = opts["redis"]
+        module = importlib.import_module(module_name)
+        return int(module.main(rest) or 0)
+    args = _parser().parse_args(argv)
+    handlers = {"submit": _submit, "status": _status, "cancel": _cancel}
+    return handlers[args.command](args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,243 @@
+"""The user-facing client: submit jobs, read their records, wait for them, stream them, cancel.
+
+Works without torch; talks only to Redis (through :class:`~pagedserve.store.JobStore`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from pagedserve.keys import Priority
+from pagedserve.params import SamplingParams
+from pagedserve.schemas import ChatMessage, DeltaEvent, JobRecord, JobRequest, JobStatus
+from pagedserve.store import JobStore
+
+PromptOrMessages = str | Sequence[int] | Sequence[ChatMessage | Mapping[str, Any]]
+
+#: Jobs per pipelined round trip in :meth:`Client.submit_many`.
+SUBMIT_CHUNK = 2000
+#: Longest single blocking read, so that waits notice deadlines and expired jobs.
+_BLOCK_SLICE_S = 1.0
+
+
+def new_job_id() -> str:
+    return uuid.uuid4().hex
+
+
+def _as_params(params: SamplingParams | Mapping[str, Any] | None) -> SamplingParams:
+    if params is None:
+        return SamplingParams()
+    if isinstance(params, SamplingParams):
+        return params
+    return SamplingParams.model_validate(dict(params))
+
+
+def build_request(
+    prompt_or_messages: PromptOrMessages,
+    params: SamplingParams | Mapping[str, Any] | None = None,
+    *,
+    priority: Priority = "interactive",
+    idempotency_key: str | None = None,
+    metadata: dict[str, Any] | None = None,
+    model: str | None = None,
+) -> JobRequest:
+    """A validated request: a string or a list of ints is a prompt, a list of
+    ``{role, content}`` mappings is a chat."""
+    fields: dict[str, Any] = {
+        "params": _as_params(params),
+        "priority": priority,
+        "idempotency_key": idempotency_key,
+        "metadata": metadata,
+        "model": model,
+    }
+    is_chat = (
+        not isinstance(prompt_or_messages, str)
+        and len(prompt_or_messages) > 0
+        and not isinstance(prompt_or_messages[0], int)
+    )
+    if is_chat:
+        fields["messages"] = list(prompt_or_messages)
+    else:
+        fields["prompt"] = prompt_or_messages
+    return JobRequest.model_validate(fields)
+
+
+def _event(entry_id: str, f: Mapping[str, str]) -> DeltaEvent:
+    return DeltaEvent(
+        id=entry_id,
+        type=f["type"],  # type: ignore[arg-type]
+        index=int(f.get("index", 0)),
+        text=f.get("text", ""),
+        token_ids=json.loads(f["token_ids"]) if f.get("token_ids") else [],
+        tokens_generated=int(f.get("tokens", 0)),
+        status=JobStatus(f["status"]) if f.get("status") else None,
+    )
+
+
+class Client:
+    """Submit and follow jobs through Redis. ``redis_url`` defaults to ``PAGEDSERVE_REDIS_URL``."""
+
+    def __init__(self, redis_url: str | None = None, *, prefix: str = "ps", **store_kw: Any):
+        self.store = JobStore(redis_url, prefix=prefix, **store_kw)
+        self.r = self.store.r
+        self.keys = self.store.keys
+
+    # ----------------------------------------------------------------------------- submit
+    def submit(
+        self,
+        prompt_or_messages: PromptOrMessages,
+        params: SamplingParams | Mapping[str, Any] | None = None,
+        *,
+        priority: Priority = "interactive",
+        idempotency_key: str | None = None,
+        metadata: dict[str, Any] | None = None,
+        model: str | None = None,
+    ) -> str:
+        """Queue one job; returns its id (an existing job's id for a reused idempotency key)."""
+        req = build_request(
+            prompt_or_messages,
+            params,
+            priority=priority,
+            idempotency_key=idempotency_key,
+            metadata=metadata,
+            model=model,
+        )
+        return self.submit_request(req)
+
+    def submit_request(self, request: JobRequest) -> str:
+        return self.store.enqueue(new_job_id(), request)[0]
+
+    def submit_many(
+        self,
+        prompts: Sequence[PromptOrMessages],
+        params: SamplingParams | Mapping[str, Any] | None = None,
+        *,
+        priority: Priority = "interactive",
+        model: str | None = None,
+        chunk: int = SUBMIT_CHUNK,
+    ) -> list[str]:
+        """Queue many jobs sharing ``params``, pipelined ``chunk`` at a time (one round trip
+        each); returns ids in the order of ``prompts``. All requests are validated before any is
+        queued."""
+        p = _as_params(params)
+        requests = [build_request(x, p, priority=priority, model=model) for x in prompts]
+        return self.submit_requests(requests, chunk=chunk)
+
+    def submit_requests(
+        self, requests: Sequence[JobRequest], chunk: int = SUBMIT_CHUNK
+    ) -> list[str]:
+        """Queue validated requests, pipelined ``chunk`` at a time; ids in order."""
+        ids: list[str] = []
+        for start in range(0, len(requests), chunk):
+            part = [(new_job_id(), r) for r in requests[start : start + chunk]]
+            ids += [got for got, _created in self.store.enqueue_many(part)]
+        return ids
+
+    # ----------------------------------------------------------------------------- read
+    def get(self, job_id: str) -> JobRecord | None:
+        return self.store.get(job_id)
+
+    def status(self, job_id: str) -> JobStatus:
+        return self.store.status(job_id)
+
+    def cancel(self, job_id: str) -> JobStatus:
+        """Request cancellation; returns the status right after (cancelled, cancelling, the final
+        status of a finished job, or not_found)."""
+        return self.store.cancel(job_id)
+
+    def _snapshot(self, job_id: str) -> tuple[JobRecord | None, str]:
+        """The record and the id of the last event, read atomically: any later event (the end
+        one included) is then seen by a blocking read from that id."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hgetall(self.keys.job(job_id))
+        pipe.xrevrange(self.keys.events(job_id), count=1)
+        h, last = pipe.execute()
+        return self.store._record(h), (last[0][0] if last else "0-0")
+
+    def wait(self, job_id: str, timeout: float | None = None) -> JobRecord:
+        """Block until the job ends; returns its record. Raises ``TimeoutError`` after
+        ``timeout`` seconds and ``KeyError`` for an unknown job."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            rec, last = self._snapshot(job_id)
+            if rec is None:
+                raise KeyError(f"job {job_id} not found")
+            if rec.status.terminal:
+                return rec
+            block_s = _BLOCK_SLICE_S
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"job {job_id} still {rec.status.value} after {timeout} s")
+                block_s = min(block_s, left)
+            block_ms = max(1, int(block_s * 1e3))
+            self.r.xread({self.keys.events(job_id): last}, count=1, block=block_ms)
+
+    def wait_many(
+        self, job_ids: Sequence[str], timeout: float | None = None, poll_s: float = 0.5
+    ) -> list[JobRecord]:
+        """Block until every job ended (polling statuses in pipelined batches, backing off up to
+        ``poll_s``); records in the order of ``job_ids``. Raises ``TimeoutError``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        open_ids = list(dict.fromkeys(job_ids))
+        sleep = 0.005
+        while open_ids:
+            statuses = self.store.statuses(open_ids)
+            missing = [j for j, s in zip(open_ids, statuses, strict=True) if s == "not_found"]
+            if missing:
+                raise KeyError(f"jobs not found: {missing[:5]}")
+            open_ids = [j for j, s in zip(open_ids, statuses, strict=True) if not s.terminal]
+            if not open_ids:
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"{len(open_ids)} of {len(job_ids)} jobs still open")
+            time.sleep(sleep)
+            sleep = min(poll_s, sleep * 2)
+        recs = self.store.get_many(job_ids)
+        if any(r is None for r in recs):
+            raise KeyError("some jobs expired while waiting")
+        return [r for r in recs if r is not None]
+
+    def stream(self, job_id: str, timeout: float | None = None) -> Iterator[DeltaEvent]:
+        """Yield the job's events (``delta``, ``restart``) as they arrive, from its first one,
+        ending after the ``end`` event (also yielded). Events are capped per job (oldest
+        trimmed). Raises ``KeyError`` for an unknown job, ``TimeoutError`` after ``timeout``."""
+        key = self.keys.events(job_id)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        last = "0-0"
+        while True:
+            block_s = _BLOCK_SLICE_S
+            if deadline is not None:
+                block_s = min(block_s, max(0.001, deadline - time.monotonic()))
+            reply = self.r.xread({key: last}, count=512, block=max(1, int(block_s * 1e3)))
+            entries = []
+            for _stream, items in reply.items() if isinstance(reply, dict) else reply or []:
+                entries = items[0] if items and isinstance(items[0], list) else items
+            for entry_id, fields in entries:
+                last = entry_id
+                ev = _event(entry_id, fields)
+                yield ev
+                if ev.type == "end":
+                    return
+            if entries:
+                continue
+            status = self.store.status(job_id)
+            if status == JobStatus.NOT_FOUND:
+                raise KeyError(f"job {job_id} not found")
+            if status.terminal and not self.r.exists(key):
+                return  # ended, and its events already expired
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"job {job_id} still {status.value} after {timeout} s")
+
+    def close(self) -> None:
+        self.r.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
