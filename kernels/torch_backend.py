@@ -1,18 +1,26 @@
 """Paged attention in plain torch, for CPUs.
 
-Work is split by kind once per step (the plan is cached across the layers of one forward pass):
+Reading the KV cache dominates decode on a CPU, and the blocks of a sequence are scattered
+through the pool, so every plan below is about touching each cached byte as few times as possible
+while it is still in the CPU's caches:
 
-* decode tokens (``query_len == 1``) are batched: sorted by context length, cut into a few
-  buckets so that padding stays small, and each bucket gathers its K/V blocks with one
-  ``index_select`` into a padded ``[n, blocks * block_size, ...]`` buffer, then runs two batched
-  matmuls under a length mask;
-* prefill chunks (``query_len > 1``) are few per step and run one by one through
-  ``scaled_dot_product_attention``: straight on the step's fresh keys/values when nothing is
-  cached before the chunk, else on the context gathered from the cache.
+* decode tokens (``query_len == 1``) are sorted by the number of blocks they read and cut into
+  *chunks* of a few MiB of K/V each. A chunk gathers its blocks with one ``index_select`` per
+  cache into a reused workspace (so no page faults from fresh allocations), and runs one batched
+  ``scaled_dot_product_attention`` (GQA, length mask) on strided views of it while the gathered
+  bytes are still in L2/L3. Measured on 2 EPYC cores, chunking alone halves the time compared with
+  gathering the whole batch first.
+* prefill chunks (``query_len > 1``) are few per step and run one by one: straight on the step's
+  fresh keys/values with a causal SDPA when nothing is cached before the chunk, else on the
+  context gathered from the cache.
+
+The plan (sorting, chunking, gather indices, masks) depends only on the step's metadata, so it is
+built once per forward pass and reused by every layer. A backend instance is meant for one engine
+thread (it owns its workspace).
 
 Masking convention (Hugging Face's): the query at position ``p`` sees ``k <= p`` and, with a
-sliding window ``W``, ``k > p - W``. Arithmetic is fp32 (fp64 stays fp64); output has the
-query's dtype.
+sliding window ``W``, ``k > p - W``; with a window, decode reads only the blocks the window
+touches. Arithmetic is fp32 (fp64 stays fp64); the output has the query's dtype.
 """
 
 from __future__ import annotations
@@ -24,20 +32,28 @@ import torch.nn.functional as F
 
 from kernels.metadata import AttentionMetadata
 
-# Cost model for bucketing decode tokens: one bucket costs about as much as this many padded
-# context tokens of work (Python + op launch overhead against per-token gather/matmul work).
-_BUCKET_OVERHEAD_TOKENS = 2048
-_MAX_BUCKETS = 8
+# Bytes of gathered K+V per decode chunk: small enough to stay in L2/L3 between the gather and
+# the attention that reads it, large enough to amortise per-op overhead.
+CHUNK_BYTES = 6 * 1024 * 1024
 
 
 @dataclass
-class _DecodeBucket:
-    """Decode tokens whose contexts are padded to the same number of blocks."""
+class _DecodeRow:
+    first_block: int  # first block the query can see (0 unless a sliding window skips some)
+    num_blocks: int
+    seq_index: int
+    token_row: int
+    seq_len: int
+
+
+@dataclass
+class _DecodeChunk:
+    """Decode tokens that read the same (padded) number of blocks."""
 
     token_idx: torch.Tensor  # int64 [n]: rows of the flat batch
-    seq_lens: torch.Tensor  # int64 [n]
-    block_ids: torch.Tensor  # int64 [n * num_blocks]: flattened block table slice
+    block_ids: torch.Tensor  # int64 [n * num_blocks]
     num_blocks: int
+    mask: torch.Tensor | None  # bool [n, 1, 1, num_blocks * block_size], None when nothing padded
 
 
 @dataclass
@@ -52,45 +68,110 @@ class _Prefill:
 
 @dataclass
 class _Plan:
-    decode: list[_DecodeBucket] = field(default_factory=list)
     prefill: list[_Prefill] = field(default_factory=list)
-    all_decode_contiguous: bool = False
+    decode_seqs: list[tuple[int, int]] = field(default_factory=list)  # (seq_index, token_row)
+    # decode chunks per (sliding_window, bytes of K+V per token)
+    decode: dict[tuple[int | None, int], list[_DecodeChunk]] = field(default_factory=dict)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _split_buckets(block_counts: list[int]) -> list[tuple[int, int]]:
-    """Cut an ascending list of block counts into ``[lo, hi)`` runs that minimise padded work.
+def _decode_rows(
+    plan: _Plan, meta: AttentionMetadata, block_size: int, window: int | None
+) -> list[_DecodeRow]:
+    rows = []
+    for b, token_row in plan.decode_seqs:
+        seq_len = meta.seq_lens_host[b]
+        last_block = (seq_len - 1) // block_size
+        first = 0 if window is None else max(0, seq_len - window) // block_size
+        rows.append(_DecodeRow(first, last_block - first + 1, b, token_row, seq_len))
+    rows.sort(key=lambda r: r.num_blocks)
+    return rows
 
-    Dynamic programming over a handful of candidate cut points (quantiles), so planning stays
-    cheap for a batch of hundreds of sequences.
-    """
-    n = len(block_counts)
-    if n == 0:
-        return []
-    cands = sorted({0, n, *(round(n * i / 16) for i in range(1, 16))})
-    best: dict[int, tuple[float, int]] = {0: (0.0, -1)}
-    for j in cands[1:]:
-        options = []
-        for i in cands:
-            if i >= j:
-                break
-            padded = (j - i) * block_counts[j - 1]
-            options.append((best[i][0] + padded + _BUCKET_OVERHEAD_TOKENS / 16, i))
-        best[j] = min(options)
-    cuts: list[tuple[int, int]] = []
-    j = n
-    while j > 0:
-        i = best[j][1]
-        cuts.append((i, j))
-        j = i
-    cuts.reverse()
-    while len(cuts) > _MAX_BUCKETS:  # merge the two cheapest neighbours
-        k = min(range(len(cuts) - 1), key=lambda t: cuts[t + 1][1] - cuts[t][0])
-        cuts[k : k + 2] = [(cuts[k][0], cuts[k + 1][1])]
-    return cuts
+
+def _chunk_rows(rows: list[_DecodeRow], block_bytes: int, chunk_bytes: int) -> list[list[int]]:
+    """Greedy cut of rows (ascending block counts) into groups of about ``chunk_bytes``."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    for i, row in enumerate(rows):
+        padded = (len(current) + 1) * row.num_blocks * block_bytes
+        if current and padded > chunk_bytes:
+            groups.append(current)
+            current = []
+        current.append(i)
+    if current:
+        groups.append(current)
+    return groups
+
+
+def _make_decode_chunks(
+    plan: _Plan,
+    meta: AttentionMetadata,
+    block_size: int,
+    window: int | None,
+    token_bytes: int,
+    chunk_bytes: int,
+) -> list[_DecodeChunk]:
+    rows = _decode_rows(plan, meta, block_size, window)
+    device = meta.block_tables.device
+    table = meta.block_tables
+    width = table.shape[1]
+    chunks = []
+    for group in _chunk_rows(rows, block_size * token_bytes, chunk_bytes):
+        sel = [rows[i] for i in group]
+        nb = sel[-1].num_blocks
+        seq_idx = torch.tensor([r.seq_index for r in sel], dtype=torch.long, device=device)
+        first = torch.tensor([r.first_block for r in sel], dtype=torch.long, device=device)
+        cols = (first[:, None] + torch.arange(nb, device=device)[None, :]).clamp_(max=width - 1)
+        block_ids = table.index_select(0, seq_idx).gather(1, cols.to(table.dtype).long())
+        length = nb * block_size
+        needs_mask = any(
+            length != r.seq_len - r.first_block * block_size
+            or (window is not None and r.seq_len - r.first_block * block_size > window)
+            for r in sel
+        )
+        mask = None
+        if needs_mask:
+            last = torch.tensor([r.seq_len - 1 for r in sel], dtype=torch.long, device=device)
+            pos = first[:, None] * block_size + torch.arange(length, device=device)[None, :]
+            allowed = pos <= last[:, None]
+            if window is not None:
+                allowed &= pos > last[:, None] - window
+            mask = allowed[:, None, None, :]
+        chunks.append(
+            _DecodeChunk(
+                token_idx=torch.tensor([r.token_row for r in sel], dtype=torch.long, device=device),
+                block_ids=block_ids.reshape(-1).to(torch.long),
+                num_blocks=nb,
+                mask=mask,
+            )
+        )
+    return chunks
+
+
+class _Workspace:
+    """Two reusable gather buffers (K and V) per dtype, grown on demand."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        numel = 1
+        for s in shape:
+            numel *= s
+        key = (dtype, device)
+        bufs = self._bufs.get(key)
+        if bufs is None or bufs[0].numel() < numel:
+            bufs = (
+                torch.empty(numel, dtype=dtype, device=device),
+                torch.empty(numel, dtype=dtype, device=device),
+            )
+            self._bufs[key] = bufs
+        return bufs[0][:numel].view(shape), bufs[1][:numel].view(shape)
 
 
 class TorchBackend:
@@ -98,10 +179,12 @@ class TorchBackend:
 
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, chunk_bytes: int = CHUNK_BYTES) -> None:
+        self._chunk_bytes = chunk_bytes
         self._plan_meta: AttentionMetadata | None = None
-        self._plan_key: tuple[int, int] = (0, 0)
+        self._plan_block_size = 0
         self._plan = _Plan()
+        self._workspace = _Workspace()
 
     # ------------------------------------------------------------------ write
     def write_kv(
@@ -123,49 +206,34 @@ class TorchBackend:
     # ------------------------------------------------------------------ plan
     def _get_plan(self, meta: AttentionMetadata, block_size: int) -> _Plan:
         """Plan once per forward pass: the same ``meta`` object comes back for every layer."""
-        key = (block_size, meta.block_tables.shape[1])
-        if meta is self._plan_meta and key == self._plan_key:
+        if meta is self._plan_meta and block_size == self._plan_block_size:
             return self._plan
-        self._plan = self._make_plan(meta, block_size)
-        self._plan_meta = meta
-        self._plan_key = key
-        return self._plan
-
-    @staticmethod
-    def _make_plan(meta: AttentionMetadata, block_size: int) -> _Plan:
         plan = _Plan()
-        decode: list[tuple[int, int, int]] = []  # (num_blocks, seq_index, token row)
         start = 0
         for b, (q_len, seq_len) in enumerate(
             zip(meta.query_lens_host, meta.seq_lens_host, strict=True)
         ):
             if q_len == 1:
-                decode.append(((seq_len + block_size - 1) // block_size, b, start))
+                plan.decode_seqs.append((b, start))
             elif q_len > 1:
                 plan.prefill.append(_Prefill(start, q_len, seq_len, b))
             start += q_len
-        if not decode:
-            return plan
-        decode.sort()
-        counts = [d[0] for d in decode]
-        device = meta.block_tables.device
-        seq_lens_all = meta.seq_lens_host
-        for lo, hi in _split_buckets(counts):
-            group = decode[lo:hi]
-            nb = group[-1][0]
-            seq_idx = torch.tensor([g[1] for g in group], dtype=torch.long, device=device)
-            block_ids = meta.block_tables.index_select(0, seq_idx)[:, :nb].to(torch.long)
-            plan.decode.append(
-                _DecodeBucket(
-                    token_idx=torch.tensor([g[2] for g in group], dtype=torch.long, device=device),
-                    seq_lens=torch.tensor(
-                        [seq_lens_all[g[1]] for g in group], dtype=torch.long, device=device
-                    ),
-                    block_ids=block_ids.reshape(-1),
-                    num_blocks=nb,
-                )
-            )
+        self._plan, self._plan_meta, self._plan_block_size = plan, meta, block_size
         return plan
+
+    def _get_decode_chunks(
+        self, meta: AttentionMetadata, k_cache: torch.Tensor, window: int | None
+    ) -> list[_DecodeChunk]:
+        plan = self._get_plan(meta, k_cache.shape[1])
+        token_bytes = 2 * k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()
+        key = (window, token_bytes)
+        chunks = plan.decode.get(key)
+        if chunks is None:
+            chunks = _make_decode_chunks(
+                plan, meta, k_cache.shape[1], window, token_bytes, self._chunk_bytes
+            )
+            plan.decode[key] = chunks
+        return chunks
 
     # ------------------------------------------------------------------ attention
     def paged_attention(
@@ -184,73 +252,76 @@ class TorchBackend:
         if query.shape[0] == 0:
             return out
         plan = self._get_plan(meta, k_cache.shape[1])
-        for bucket in plan.decode:
-            rows = self._decode_bucket(query, k_cache, v_cache, bucket, scale, sliding_window)
-            out.index_copy_(0, bucket.token_idx, rows.to(query.dtype))
-        for chunk in plan.prefill:
-            out[chunk.start : chunk.start + chunk.query_len] = self._prefill(
-                query, key, value, k_cache, v_cache, meta, chunk, scale, sliding_window
+        if plan.decode_seqs:
+            for chunk in self._get_decode_chunks(meta, k_cache, sliding_window):
+                rows = self._decode_chunk(query, k_cache, v_cache, chunk, scale)
+                out.index_copy_(0, chunk.token_idx, rows.to(query.dtype))
+        for pre in plan.prefill:
+            out[pre.start : pre.start + pre.query_len] = self._prefill(
+                query, key, value, k_cache, v_cache, meta, pre, scale, sliding_window
             )
         return out
 
-    @staticmethod
-    def _decode_bucket(
+    def _decode_chunk(
+        self,
         query: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        bucket: _DecodeBucket,
+        chunk: _DecodeChunk,
         scale: float,
-        sliding_window: int | None,
     ) -> torch.Tensor:
-        """Attention for ``n`` single-token queries over contexts padded to ``num_blocks``."""
+        """``[n, H, D]``: single-token queries over contexts padded to ``num_blocks`` blocks."""
         _, block_size, num_kv_heads, head_dim = k_cache.shape
         num_heads = query.shape[1]
-        group = num_heads // num_kv_heads
-        n = bucket.token_idx.shape[0]
-        length = bucket.num_blocks * block_size
+        n = chunk.token_idx.shape[0]
+        length = chunk.num_blocks * block_size
         cdt = _compute_dtype(query.dtype)
-        # [n, L, Hkv, D] -> [n, Hkv, L, D] views of the gathered blocks
-        k = k_cache.index_select(0, bucket.block_ids).view(n, length, num_kv_heads, head_dim)
-        v = v_cache.index_select(0, bucket.block_ids).view(n, length, num_kv_heads, head_dim)
-        k = k.to(cdt).permute(0, 2, 1, 3)
-        v = v.to(cdt).permute(0, 2, 1, 3)
-        q = query.index_select(0, bucket.token_idx).to(cdt)
-        q = q.view(n, num_kv_heads, group, head_dim)
-        scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [n, Hkv, G, L]
-        pos = torch.arange(length, device=query.device)
-        last = bucket.seq_lens - 1  # the query's position
-        masked = pos[None, :] > last[:, None]
-        if sliding_window is not None:
-            masked |= pos[None, :] <= last[:, None] - sliding_window
-        scores.masked_fill_(masked[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        return torch.matmul(probs, v).reshape(n, num_heads, head_dim)
+        k_buf, v_buf = self._workspace.get(
+            (n * chunk.num_blocks, block_size, num_kv_heads, head_dim),
+            k_cache.dtype,
+            k_cache.device,
+        )
+        torch.index_select(k_cache, 0, chunk.block_ids, out=k_buf)
+        torch.index_select(v_cache, 0, chunk.block_ids, out=v_buf)
+        # [n, L, Hkv, D] -> strided [n, Hkv, L, D] views: SDPA reads them without a copy
+        k = k_buf.view(n, length, num_kv_heads, head_dim).to(cdt).transpose(1, 2)
+        v = v_buf.view(n, length, num_kv_heads, head_dim).to(cdt).transpose(1, 2)
+        q = query.index_select(0, chunk.token_idx).to(cdt).unsqueeze(2)  # [n, H, 1, D]
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=chunk.mask, scale=scale, enable_gqa=num_heads != num_kv_heads
+        )
+        return o.view(n, num_heads, head_dim)
 
-    @staticmethod
     def _prefill(
+        self,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
-        chunk: _Prefill,
+        pre: _Prefill,
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
         """One prefill chunk: fresh K/V when nothing precedes it, else the gathered context."""
         cdt = _compute_dtype(query.dtype)
-        s, q_len, seq_len = chunk.start, chunk.query_len, chunk.seq_len
+        s, q_len, seq_len = pre.start, pre.query_len, pre.seq_len
         q = query[s : s + q_len].to(cdt).transpose(0, 1)  # [H, q, D]
         if seq_len == q_len:
             k = key[s : s + q_len]
             v = value[s : s + q_len]
         else:
-            block_size = k_cache.shape[1]
+            _, block_size, num_kv_heads, head_dim = k_cache.shape
             nb = (seq_len + block_size - 1) // block_size
-            blocks = meta.block_tables[chunk.seq_index, :nb].to(torch.long)
-            k = k_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]
-            v = v_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]
+            blocks = meta.block_tables[pre.seq_index, :nb].to(torch.long)
+            k_buf, v_buf = self._workspace.get(
+                (nb, block_size, num_kv_heads, head_dim), k_cache.dtype, k_cache.device
+            )
+            torch.index_select(k_cache, 0, blocks, out=k_buf)
+            torch.index_select(v_cache, 0, blocks, out=v_buf)
+            k = k_buf.flatten(0, 1)[:seq_len]
+            v = v_buf.flatten(0, 1)[:seq_len]
         k = k.to(cdt).transpose(0, 1)  # [Hkv, L, D]
         v = v.to(cdt).transpose(0, 1)
         mask: torch.Tensor | None = None

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -12,7 +10,7 @@ from hypothesis import strategies as st
 from kernels import get_backend
 from kernels.reference import reference_paged_attention, reference_write_kv
 from kernels.testing import PagedBatch, make_batch
-from kernels.torch_backend import TorchBackend, _split_buckets
+from kernels.torch_backend import TorchBackend
 
 
 def run_and_compare(
@@ -51,6 +49,7 @@ CASES = {
     "prefix_then_chunk": ([9], [40]),
     "mixed": ([5, 1, 20, 1, 1], [5, 30, 50, 2, 17]),
     "chunk_ends_on_boundary": ([16, 1], [32, 16]),
+    "full_blocks_different_lengths": ([1, 1, 1], [16, 32, 64]),
 }
 
 
@@ -115,14 +114,16 @@ def test_float64_stays_float64() -> None:
     run_and_compare(batch, atol=1e-12, rtol=1e-10)
 
 
-def test_many_decodes_are_bucketed_correctly() -> None:
-    """Enough decode tokens with spread-out lengths to produce several buckets."""
+@pytest.mark.parametrize("window", [None, 37])
+@pytest.mark.parametrize("chunk_bytes", [1, 64 * 1024, 1 << 30])
+def test_many_decodes_in_chunks(chunk_bytes: int, window: int | None) -> None:
+    """Spread-out decode lengths, cut into one chunk per token, a few chunks, or one chunk."""
     gen = torch.Generator().manual_seed(7)
     s_lens = torch.randint(1, 300, (96,), generator=gen).tolist()
     q_lens = [1] * 96
     q_lens[10], s_lens[10] = 40, 200  # a prefill in the middle of the decodes
     batch = make_batch(q_lens, s_lens, num_heads=8, num_kv_heads=4, head_dim=64, block_size=16)
-    run_and_compare(batch)
+    run_and_compare(batch, sliding_window=window, backend=TorchBackend(chunk_bytes=chunk_bytes))
 
 
 def test_plan_is_reused_across_layers_and_rebuilt_per_step() -> None:
@@ -188,15 +189,6 @@ def test_write_kv_scatters_by_slot() -> None:
     written = torch.zeros(32, dtype=torch.bool)
     written[slots] = True
     assert k_cache.view(32, -1)[~written].abs().sum() == 0
-
-
-def test_split_buckets_covers_everything_in_order() -> None:
-    counts = sorted([1, 1, 2, 3, 5, 8, 13, 21, 34, 50] * 20)
-    cuts = _split_buckets(counts)
-    assert cuts[0][0] == 0 and cuts[-1][1] == len(counts)
-    for (_, hi), (lo, _) in itertools.pairwise(cuts):
-        assert hi == lo
-    assert 1 < len(cuts) <= 8
 
 
 def test_get_backend_picks_torch_on_cpu() -> None:
