@@ -1,0 +1,284 @@
+"""JobStore against a real redis-server: leases, fencing, reclaim, dead letters, cancel, release."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from pydantic import ValidationError
+
+from pagedserve.keys import GROUP
+from pagedserve.redis_util import connect
+from pagedserve.schemas import Completion, JobRequest, JobResult, JobStatus
+from pagedserve.store import Finish, JobStore, Progress
+
+
+def req(prompt: str = "hello", **kw: object) -> JobRequest:
+    return JobRequest(prompt=prompt, **kw)  # type: ignore[arg-type]
+
+
+def result(text: str, ids: list[int]) -> JobResult:
+    comp = Completion(index=0, text=text, token_ids=ids, finish_reason="length")
+    return JobResult(completions=[comp], prompt_tokens=3, completion_tokens=len(ids))
+
+
+def pending_count(store: JobStore, priority: str) -> int:
+    return store.r.xpending(store.keys.stream(priority), GROUP)["pending"]
+
+
+@pytest.fixture
+def store(redis_url: str) -> JobStore:
+    return JobStore(redis_url, retention_s=100)
+
+
+def test_enqueue_and_get(store: JobStore) -> None:
+    r = req(metadata={"user": "u1"}, params={"max_tokens": 5, "temperature": 0.0})
+    jid, created = store.enqueue("j1", r)
+    assert (jid, created) == ("j1", True)
+    rec = store.get("j1")
+    assert rec is not None
+    assert rec.status == JobStatus.QUEUED
+    assert rec.request == r
+    assert rec.deliveries == 0 and rec.started_at is None and rec.result is None
+    assert rec.created_at == pytest.approx(time.time(), abs=60)
+    assert store.get("nope") is None
+    assert store.status("nope") == JobStatus.NOT_FOUND
+    assert store.queue_lengths() == {"interactive": 1, "bulk": 0}
+
+
+def test_idempotency_key_returns_same_job(store: JobStore) -> None:
+    assert store.enqueue("a", req(idempotency_key="k1")) == ("a", True)
+    assert store.enqueue("b", req("other", idempotency_key="k1")) == ("a", False)
+    assert store.enqueue("c", req(idempotency_key="k2")) == ("c", True)
+    assert store.get("b") is None
+    assert store.r.xlen(store.keys.stream("interactive")) == 2
+
+
+def test_claim_interactive_before_bulk_and_max_jobs(store: JobStore) -> None:
+    for i in range(3):
+        store.enqueue(f"b{i}", req(priority="bulk"))
+    for i in range(3):
+        store.enqueue(f"i{i}", req())
+    assert [x.job_id for x in store.claim("w", 2)] == ["i0", "i1"]
+    assert [x.job_id for x in store.claim("w", 3)] == ["i2", "b0", "b1"]
+    assert store.claim("w", 0) == []
+    last = store.claim("w", 5)
+    assert [(x.job_id, x.priority, x.fence, x.deliveries) for x in last] == [("b2", "bulk", 1, 1)]
+    assert store.claim("w", 5) == []
+    rec = store.get("b2")
+    assert rec is not None and rec.status == JobStatus.RUNNING and rec.worker == "w"
+
+
+def test_claim_blocks_when_empty(store: JobStore) -> None:
+    t0 = time.monotonic()
+    assert store.claim("w", 4, block_ms=50) == []
+    assert time.monotonic() - t0 >= 0.04
+
+
+def test_own_pending_entries_reread_after_restart(redis_url: str) -> None:
+    first = JobStore(redis_url)
+    for i in range(3):
+        first.enqueue(f"j{i}", req())
+    before = first.claim("w1", 2)
+    assert [x.job_id for x in before] == ["j0", "j1"]
+    # The process dies; a new one with the same consumer name picks its entries up first.
+    second = JobStore(redis_url)
+    after = second.claim("w1", 10)
+    assert [x.job_id for x in after] == ["j0", "j1", "j2"]
+    assert [x.deliveries for x in after] == [2, 2, 1]
+    assert [x.fence for x in after] == [2, 2, 1]
+    # Re-read once only: those are now running in this process.
+    assert second.claim("w1", 10) == []
+    # The old process's leases are dead.
+    assert not first.complete(before[0], result("x", [1]))
+
+
+def test_fencing_reclaimed_job_written_exactly_once(redis_url: str) -> None:
+    a, b = JobStore(redis_url), JobStore(redis_url)
+    a.enqueue("j", req())
+    (la,) = a.claim("A", 1)
+    time.sleep(0.02)
+    (lb,) = b.reclaim("B", min_idle_ms=5, max_jobs=10)
+    assert (lb.job_id, lb.fence, lb.deliveries) == ("j", 2, 2)
+    assert not a.progress(la, 1, "stale", [9])
+    assert not a.complete(la, result("from A", [1]))
+    assert b.complete(lb, result("from B", [2, 3]))
+    assert not a.fail(la, "late failure")
+    assert not b.complete(lb, result("again", [4]))  # a second write by the owner is refused too
+    rec = b.get("j")
+    assert rec is not None and rec.status == JobStatus.SUCCEEDED
+    assert rec.result == result("from B", [2, 3])
+    assert rec.worker == "B" and rec.tokens_generated == 2 and rec.error is None
+    ends = [f for _, f in a.r.xrange(a.keys.events("j")) if f["type"] == "end"]
+    assert ends == [{"type": "end", "status": "succeeded"}]
+    assert pending_count(a, "interactive") == 0
+    assert a.renew([la]) == ["j"]
+
+
+def test_renew_keeps_entries_from_being_reclaimed(redis_url: str) -> None:
+    a, b = JobStore(redis_url), JobStore(redis_url)
+    a.enqueue("kept", req())
+    a.enqueue("lost", req())
+    leases = a.claim("A", 2)
+    time.sleep(0.3)
+    assert a.renew([x for x in leases if x.job_id == "kept"]) == []
+    taken = b.reclaim("B", min_idle_ms=200, max_jobs=10)
+    assert [x.job_id for x in taken] == ["lost"]
+    assert a.renew(leases) == ["lost"]
+    rec = a.get("kept")
+    assert rec is not None and rec.worker == "A" and rec.status == JobStatus.RUNNING
+
+
+def test_dead_letter_after_max_deliveries(redis_url: str) -> None:
+    s = JobStore(redis_url, max_deliveries=2)
+    s.enqueue("j", req())
+    assert len(s.claim("A", 1)) == 1
+    time.sleep(0.01)
+    assert len(s.reclaim("B", 1, 1)) == 1
+    time.sleep(0.01)
+    assert s.reclaim("C", 1, 1) == []
+    assert s.stats.dead_lettered == 1
+    rec = s.get("j")
+    assert rec is not None and rec.status == JobStatus.FAILED and rec.deliveries == 3
+    assert rec.error is not None and "delivered 3 times" in rec.error
+    (dead,) = s.dead_letters()
+    assert dead["job"] == "j" and dead["deliveries"] == "3"
+    assert pending_count(s, "interactive") == 0
+    time.sleep(0.01)
+    assert s.reclaim("D", 1, 1) == []
+
+
+def test_cancel_queued_job_is_skipped_at_claim(store: JobStore) -> None:
+    store.enqueue("j", req())
+    assert store.cancel("j") == JobStatus.CANCELLED
+    assert store.claim("w", 5) == []
+    assert store.stats.skipped == 1
+    assert pending_count(store, "interactive") == 0
+    assert store.cancel("j") == JobStatus.CANCELLED
+    assert store.cancel("missing") == JobStatus.NOT_FOUND
+
+
+def test_cancel_running_job(store: JobStore) -> None:
+    store.enqueue("j", req())
+    store.enqueue("other", req())
+    leases = {x.job_id: x for x in store.claim("w", 2)}
+    assert store.cancel("j") == JobStatus.CANCELLING
+    assert store.status("j") == JobStatus.CANCELLING
+    step = store.commit_step("w", progress=[Progress(leases["other"], 1, "a", [7])])
+    assert step.cancels == {"j"} and step.lost == []
+    assert store.pop_cancels("w") == set()
+    assert store.renew(list(leases.values())) == []  # still ours while cancelling
+    assert store.finish_cancelled(leases["j"])
+    assert store.status("j") == JobStatus.CANCELLED
+    assert store.cancel("j") == JobStatus.CANCELLED
+
+
+def test_release_hands_job_back(redis_url: str) -> None:
+    s = JobStore(redis_url, max_deliveries=1)
+    s.enqueue("j", req())
+    (lease,) = s.claim("A", 1)
+    assert s.progress(lease, 2, "ab", [1, 2])
+    assert s.release(lease) == JobStatus.QUEUED
+    rec = s.get("j")
+    assert rec is not None and rec.status == JobStatus.QUEUED and rec.worker is None
+    assert rec.tokens_generated == 0 and rec.deliveries == 0
+    assert not s.complete(lease, result("x", [1]))
+    assert s.release(lease) is None
+    (again,) = s.claim("B", 1)  # max_deliveries=1: the release did not count
+    assert again.job_id == "j" and again.fence == lease.fence + 2
+    types = [f["type"] for _, f in s.r.xrange(s.keys.events("j"))]
+    assert types == ["delta", "restart"]
+    assert pending_count(s, "interactive") == 1
+    # Releasing a job being cancelled cancels it.
+    s.cancel("j")
+    assert s.release(again) == JobStatus.CANCELLED
+    assert pending_count(s, "interactive") == 0
+
+
+def test_commit_step_batches_many_jobs(store: JobStore) -> None:
+    ids = [f"j{i}" for i in range(50)]
+    for jid in ids:
+        store.enqueue(jid, req())
+    leases = store.claim("w", 100)
+    assert len(leases) == 50
+    step = store.commit_step("w", progress=[Progress(x, 1, "t", [5]) for x in leases])
+    assert step.lost == [] and step.cancels == set()
+    done = [Finish(x, "succeeded", result=result("t", [5])) for x in leases[:25]]
+    failed = [Finish(x, "failed", error="oom") for x in leases[25:]]
+    step = store.commit_step("w", finished=done + failed)
+    assert step.lost == []
+    statuses = store.statuses(ids)
+    assert statuses == [JobStatus.SUCCEEDED] * 25 + [JobStatus.FAILED] * 25
+    rec = store.get("j30")
+    assert rec is not None and rec.error == "oom" and rec.first_token_at is not None
+    again = store.commit_step("w", finished=done[:3])
+    assert again.lost == ["j0", "j1", "j2"]
+
+
+def test_retention_ttl_set_when_job_ends(store: JobStore) -> None:
+    store.enqueue("j", req(idempotency_key="idem"))
+    (lease,) = store.claim("w", 1)
+    assert store.progress(lease, 1, "a", [1])
+    assert store.r.ttl(store.keys.job("j")) == -1
+    assert store.r.ttl(store.keys.idem("idem")) == -1
+    assert store.complete(lease, result("a", [1]))
+    for key in (store.keys.job("j"), store.keys.events("j"), store.keys.idem("idem")):
+        assert 0 < store.r.ttl(key) <= 100
+
+
+def test_scripts_reloaded_after_script_flush(store: JobStore) -> None:
+    store.enqueue("a", req())
+    store.r.script_flush()
+    store.enqueue("b", req())
+    assert [x.job_id for x in store.claim("w", 5)] == ["a", "b"]
+
+
+def test_heartbeat_and_workers(store: JobStore) -> None:
+    store.heartbeat("w1", {"free_blocks": 12, "running": 3}, ttl_s=10)
+    workers = store.workers()
+    assert workers["w1"]["free_blocks"] == 12 and workers["w1"]["running"] == 3
+    assert 0 < store.r.ttl(store.keys.worker("w1")) <= 10
+    store.r.delete(store.keys.worker("w1"))
+    assert store.workers() == {}
+
+
+def test_queued_jobs_survive_redis_crash_with_aof(redis_factory) -> None:  # type: ignore[no-untyped-def]
+    server = redis_factory(aof=True)
+    s = JobStore(server.url)
+    s.enqueue("j", req())
+    server.kill()
+    server.start()
+    s2 = JobStore(server.url)
+    (lease,) = s2.claim("w", 1)
+    assert lease.job_id == "j"
+    s2.r.close()
+    s.r.close()
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "exactly one of"),
+        ({}, "exactly one of"),
+        ({"prompt": ""}, "prompt must not be empty"),
+        ({"prompt": [1, -2]}, "non-negative"),
+        ({"messages": []}, "at least one message"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "role"),
+        ({"prompt": "a", "priority": "urgent"}, "'interactive' or 'bulk'"),
+        ({"prompt": "a", "colour": "red"}, "Extra inputs are not permitted"),
+        ({"prompt": "a", "params": {"temperature": -1}}, "temperature"),
+        ({"prompt": "a", "params": {"max_tokens": 2, "min_tokens": 3}}, "min_tokens (3)"),
+        ({"prompt": "a", "metadata": {"x": "y" * 20000}}, "the limit is 16384 bytes"),
+    ],
+)
+def test_bad_requests_have_clear_messages(fields: dict[str, object], message: str) -> None:
+    with pytest.raises(ValidationError) as e:
+        JobRequest.model_validate(fields)
+    assert message in str(e.value)
+
+
+def test_fixture_server_is_private(redis_url: str) -> None:
+    assert redis_url.startswith("unix://")
+    client = connect(redis_url)
+    assert client.config_get("port")["port"] == "0"
+    assert client.dbsize() == 0
