@@ -1,0 +1,161 @@
+"""The decoder-only causal LM shared by the Llama, Mistral and Qwen2 families.
+
+The families differ only in how their Hugging Face configs translate into a
+:class:`~worker.models.config.ModelConfig` (biases, windows, tying); the module structure and the
+checkpoint's tensor names are the same, so one class loads and runs all three.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import AttentionMetadata, get_backend
+from worker.models.config import ModelConfig
+from worker.models.layers import DecoderLayer, RMSNorm, _param
+
+# Checkpoint tensors that carry no weights of ours (old exports store rotary buffers).
+_IGNORED_SUFFIXES: tuple[str, ...] = ("rotary_emb.inv_freq",)
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+class CausalLM(nn.Module):
+    """Embeddings, decoder layers over a paged KV cache, final norm, output head.
+
+    ``forward`` returns final hidden states of every token of the flat batch;
+    ``compute_logits`` turns the rows the sampler needs into float32 logits.
+    """
+
+    def __init__(
+        self, config: ModelConfig, rope_table: torch.Tensor, device: torch.device | str = "cpu"
+    ):
+        super().__init__()
+        self.config = config
+        dt = config.dtype
+        self.embed_weight = _param(config.vocab_size, config.hidden_size, dtype=dt, device=device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, device) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt, device)
+        self.lm_head_weight = (
+            self.embed_weight
+            if config.tie_word_embeddings
+            else _param(config.vocab_size, config.hidden_size, dtype=dt, device=device)
+        )
+        # float32 [max_positions, 2, head_dim / 2]; rows are gathered by position each step.
+        self.register_buffer("rope_table", rope_table.to(device), persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_weight.device
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` after the final norm, one row per input token."""
+        backend = get_backend(input_ids.device)
+        x = F.embedding(input_ids, self.embed_weight)
+        cos_sin = self.rope_table[positions].to(x.dtype)  # [T, 2, D/2]
+        cos, sin = cos_sin[:, 0:1], cos_sin[:, 1:2]  # [T, 1, D/2], broadcast over heads
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache, meta, backend)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits ``[N, vocab]`` of the given hidden rows."""
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    # ------------------------------------------------------------------ weights
+    def _layer_target(self, layer: DecoderLayer, name: str) -> tuple[torch.Tensor, int, int] | None:
+        """(parameter, first row, end row) that the checkpoint tensor ``name`` of a layer fills."""
+        cfg = self.config
+        q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+        attn, mlp = layer.attn, layer.mlp
+        fused: dict[str, tuple[torch.Tensor | None, int, int]] = {
+            "self_attn.q_proj.weight": (attn.qkv_weight, 0, q),
+            "self_attn.k_proj.weight": (attn.qkv_weight, q, q + kv),
+            "self_attn.v_proj.weight": (attn.qkv_weight, q + kv, q + 2 * kv),
+            "self_attn.q_proj.bias": (attn.qkv_bias, 0, q),
+            "self_attn.k_proj.bias": (attn.qkv_bias, q, q + kv),
+            "self_attn.v_proj.bias": (attn.qkv_bias, q + kv, q + 2 * kv),
+            "self_attn.o_proj.weight": (attn.o_weight, 0, cfg.hidden_size),
+            "self_attn.o_proj.bias": (attn.o_bias, 0, cfg.hidden_size),
+            "mlp.gate_proj.weight": (mlp.gate_up_weight, 0, inter),
+            "mlp.up_proj.weight": (mlp.gate_up_weight, inter, 2 * inter),
+            "mlp.gate_proj.bias": (mlp.gate_up_bias, 0, inter),
+            "mlp.up_proj.bias": (mlp.gate_up_bias, inter, 2 * inter),
+            "mlp.down_proj.weight": (mlp.down_weight, 0, cfg.hidden_size),
+            "mlp.down_proj.bias": (mlp.down_bias, 0, cfg.hidden_size),
+            "input_layernorm.weight": (layer.input_norm.weight, 0, cfg.hidden_size),
+            "post_attention_layernorm.weight": (layer.post_attn_norm.weight, 0, cfg.hidden_size),
+        }
+        target = fused.get(name)
+        if target is None or target[0] is None:
+            return None
+        return target[0], target[1], target[2]
+
+    def _target(self, name: str) -> tuple[torch.Tensor, int, int] | None:
+        cfg = self.config
+        if name == "model.embed_tokens.weight":
+            return self.embed_weight, 0, cfg.vocab_size
+        if name == "model.norm.weight":
+            return self.norm.weight, 0, cfg.hidden_size
+        if name == "lm_head.weight":
+            return self.lm_head_weight, 0, cfg.vocab_size
+        match = _LAYER_RE.match(name)
+        if match is None:
+            return None
+        idx = int(match.group(1))
+        if idx >= cfg.num_layers:
+            return None
+        return self._layer_target(self.layers[idx], match.group(2))
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (Hugging Face names) into the fused parameters.
+
+        Raises ``ValueError`` on an unknown tensor, a shape mismatch, or a parameter left
+        unfilled. With tied embeddings a stored ``lm_head.weight`` is ignored: the head is the
+        embedding matrix.
+        """
+        filled: set[tuple[int, int, int]] = set()
+        for name, tensor in weights:
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            target = self._target(name)
+            if target is None:
+                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of the model")
+            param, start, end = target
+            dest = param.data[start:end]
+            if dest.shape != tensor.shape:
+                raise ValueError(
+                    f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects "
+                    f"{tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            filled.add((id(param), start, end))
+        self._check_filled(filled)
+
+    def _check_filled(self, filled: set[tuple[int, int, int]]) -> None:
+        rows_filled: dict[int, int] = {}
+        for pid, start, end in filled:
+            rows_filled[pid] = rows_filled.get(pid, 0) + (end - start)
+        missing = [
+            name
+            for name, param in self.named_parameters()
+            if rows_filled.get(id(param), 0) != param.shape[0]
+        ]
+        if missing:
+            raise ValueError(f"checkpoint leaves parameters unfilled: {', '.join(missing)}")

@@ -1,0 +1,120 @@
+"""Building blocks of Llama-style decoders, with fused projections and paged attention.
+
+Parameters are created uninitialised (``torch.empty``): every one of them is overwritten by the
+loader, so drawing random values first would only cost time. Projections are plain parameters fed
+to ``F.linear`` — the fused ``qkv`` and ``gate_up`` weights are the checkpoint's separate matrices
+stacked along the output dimension at load time (one matmul instead of three / two).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import AttentionBackend, AttentionMetadata
+from worker.models.config import ModelConfig
+from worker.models.rope import apply_rope
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32, weight applied in the model dtype (as HF does)."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.weight = _param(size, dtype=dtype, device=device)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.to(torch.float32)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device | str):
+        super().__init__()
+        inter, hidden, dt = cfg.intermediate_size, cfg.hidden_size, cfg.dtype
+        self.gate_up_weight = _param(2 * inter, hidden, dtype=dt, device=device)
+        self.down_weight = _param(hidden, inter, dtype=dt, device=device)
+        self.gate_up_bias = _param(2 * inter, dtype=dt, device=device) if cfg.mlp_bias else None
+        self.down_bias = _param(hidden, dtype=dt, device=device) if cfg.mlp_bias else None
+        self.intermediate_size = inter
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_weight, self.down_bias)
+
+
+class PagedAttention(nn.Module):
+    """Grouped-query self-attention whose keys and values live in a paged cache."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, device: torch.device | str):
+        super().__init__()
+        dt = cfg.dtype
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = cfg.q_size
+        self.kv_size = cfg.kv_size
+        self.scale = cfg.head_dim**-0.5
+        windows = cfg.layer_sliding_windows
+        self.sliding_window = windows[layer_idx] if windows else cfg.sliding_window
+        qkv_out = self.q_size + 2 * self.kv_size
+        self.qkv_weight = _param(qkv_out, cfg.hidden_size, dtype=dt, device=device)
+        self.qkv_bias = _param(qkv_out, dtype=dt, device=device) if cfg.qkv_bias else None
+        self.o_weight = _param(cfg.hidden_size, self.q_size, dtype=dt, device=device)
+        self.o_bias = _param(cfg.hidden_size, dtype=dt, device=device) if cfg.o_bias else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)  # contiguous copy of a strided slice
+        k_cache, v_cache = kv_cache
+        backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = backend.paged_attention(
+            q, k, v, k_cache, v_cache, meta, self.scale, self.sliding_window
+        )
+        return F.linear(out.reshape(t, self.q_size), self.o_weight, self.o_bias)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, device: torch.device | str):
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, device)
+        self.attn = PagedAttention(cfg, layer_idx, device)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, device)
+        self.mlp = GatedMLP(cfg, device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        x = x + self.attn(self.input_norm(x), cos, sin, kv_cache, meta, backend)
+        return x + self.mlp(self.post_attn_norm(x))
