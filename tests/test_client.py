@@ -1,0 +1,151 @@
+"""Client against a real redis-server, with a minimal hand-driven 'worker' made of store calls."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from pydantic import ValidationError
+
+from pagedserve.client import Client
+from pagedserve.params import SamplingParams
+from pagedserve.schemas import Completion, JobResult, JobStatus
+from pagedserve.store import Finish, JobStore, Lease, Progress
+
+
+def result(text: str, ids: list[int]) -> JobResult:
+    comp = Completion(index=0, text=text, token_ids=ids, finish_reason="stop")
+    return JobResult(completions=[comp], prompt_tokens=2, completion_tokens=len(ids))
+
+
+@pytest.fixture
+def client(redis_url: str) -> Client:
+    return Client(redis_url)
+
+
+def claim_one(store: JobStore, consumer: str = "w") -> Lease:
+    for _ in range(200):
+        got = store.claim(consumer, 1)
+        if got:
+            return got[0]
+        time.sleep(0.005)
+    raise AssertionError("no job to claim")
+
+
+def test_submit_prompt_tokens_and_messages(client: Client) -> None:
+    a = client.submit("hello", {"max_tokens": 4, "temperature": 0})
+    b = client.submit([1, 2, 3], priority="bulk", metadata={"k": 1})
+    c = client.submit([{"role": "user", "content": "hi"}], SamplingParams(n=2))
+    ra, rb, rc = client.get(a), client.get(b), client.get(c)
+    assert ra is not None and ra.request.prompt == "hello" and ra.request.params.max_tokens == 4
+    assert ra.request.params.greedy
+    assert rb is not None and rb.request.prompt == [1, 2, 3] and rb.priority == "bulk"
+    assert rb.request.metadata == {"k": 1}
+    assert rc is not None and rc.request.messages is not None
+    assert rc.request.messages[0].content == "hi" and rc.request.params.n == 2
+    assert client.get("unknown") is None
+
+
+def test_submit_idempotent(client: Client) -> None:
+    first = client.submit("x", idempotency_key="order-17")
+    assert client.submit("x", idempotency_key="order-17") == first
+    assert client.store.queue_lengths()["interactive"] == 1
+
+
+def test_submit_many_in_order_and_validated_first(client: Client) -> None:
+    prompts = [f"p{i}" for i in range(250)]
+    ids = client.submit_many(prompts, {"max_tokens": 2}, priority="bulk", chunk=64)
+    assert len(set(ids)) == 250
+    recs = client.store.get_many(ids)
+    assert [r.request.prompt for r in recs if r is not None] == prompts
+    assert client.store.queue_lengths() == {"interactive": 0, "bulk": 250}
+    with pytest.raises(ValidationError):
+        client.submit_many(["ok", ""], None)
+    assert client.store.queue_lengths()["bulk"] == 250  # nothing of the bad batch was queued
+
+
+def test_wait_returns_when_worker_completes(client: Client, redis_url: str) -> None:
+    jid = client.submit("hi")
+    worker = JobStore(redis_url)
+
+    def run() -> None:
+        lease = claim_one(worker)
+        time.sleep(0.05)
+        worker.complete(lease, result("done", [4, 5]))
+
+    t = threading.Thread(target=run)
+    t.start()
+    rec = client.wait(jid, timeout=10)
+    t.join()
+    assert rec.status == JobStatus.SUCCEEDED and rec.result == result("done", [4, 5])
+
+
+def test_wait_timeout_and_unknown(client: Client) -> None:
+    jid = client.submit("never runs")
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        client.wait(jid, timeout=0.1)
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(KeyError):
+        client.wait("missing", timeout=0.1)
+    with pytest.raises(TimeoutError):
+        client.wait_many([jid], timeout=0.05)
+
+
+def test_wait_many(client: Client, redis_url: str) -> None:
+    ids = client.submit_many([f"p{i}" for i in range(20)])
+    worker = JobStore(redis_url)
+    leases = worker.claim("w", 20)
+    worker.commit_step(finished=[Finish(x, "succeeded", result=result("r", [1])) for x in leases])
+    client.cancel(ids[0])  # already finished: stays succeeded
+    recs = client.wait_many(ids, timeout=5)
+    assert [r.id for r in recs] == ids
+    assert {r.status for r in recs} == {JobStatus.SUCCEEDED}
+
+
+def test_stream_yields_deltas_until_end(client: Client, redis_url: str) -> None:
+    jid = client.submit("tell me")
+    worker = JobStore(redis_url)
+    pieces = [("Hel", [1]), ("lo", [2]), (" world", [3, 4])]
+
+    def run() -> None:
+        lease = claim_one(worker)
+        n = 0
+        for text, ids in pieces:
+            n += len(ids)
+            worker.commit_step("w", progress=[Progress(lease, n, text, ids)])
+            time.sleep(0.02)
+        worker.complete(lease, result("Hello world", [1, 2, 3, 4]))
+
+    t = threading.Thread(target=run)
+    t.start()
+    events = list(client.stream(jid, timeout=10))
+    t.join()
+    deltas = [e for e in events if e.type == "delta"]
+    assert "".join(e.text for e in deltas) == "Hello world"
+    assert [tid for e in deltas for tid in e.token_ids] == [1, 2, 3, 4]
+    assert [e.tokens_generated for e in deltas] == [1, 2, 4]
+    assert events[-1].type == "end" and events[-1].status == JobStatus.SUCCEEDED
+    # Streaming a finished job replays its retained events.
+    assert [e.type for e in client.stream(jid)] == ["delta"] * 3 + ["end"]
+
+
+def test_stream_of_cancelled_queued_job(client: Client) -> None:
+    jid = client.submit("x")
+    assert client.cancel(jid) == JobStatus.CANCELLED
+    events = list(client.stream(jid, timeout=5))
+    assert [(e.type, e.status) for e in events] == [("end", JobStatus.CANCELLED)]
+    with pytest.raises(KeyError):
+        list(client.stream("missing", timeout=1))
+
+
+def test_cancel_running_via_client(client: Client, redis_url: str) -> None:
+    jid = client.submit("x")
+    worker = JobStore(redis_url)
+    lease = claim_one(worker)
+    assert client.cancel(jid) == JobStatus.CANCELLING
+    assert worker.pop_cancels("w") == {jid}
+    assert worker.finish_cancelled(lease)
+    assert client.wait(jid, timeout=5).status == JobStatus.CANCELLED
+    assert client.cancel("missing") == JobStatus.NOT_FOUND
