@@ -19,6 +19,9 @@ from pydantic import ValidationError
 
 from pagedserve.redis_util import DEFAULT_URL, URL_ENV, default_url
 
+#: Environment variable through which ``--prefix`` reaches delegated subcommands.
+PREFIX_ENV = "PAGEDSERVE_PREFIX"
+
 #: Subcommands that forward everything after them to another module's ``main(argv)``.
 DELEGATED = {
     "make-model": "worker.make_model",
@@ -159,10 +162,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     delegated = _split_delegated(argv)
     if delegated is not None:
         opts, module_name, rest = delegated
-        # The other module reads its own arguments; a --redis given here reaches it by the env.
+        # The other module parses its own arguments; global options reach it by the environment.
         if "redis" in opts:
             os.environ[URL_ENV] = opts["redis"]
-        module = importlib.import_module(module_name)
+        if "prefix" in opts:
+            os.environ[PREFIX_ENV] = opts["prefix"]
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name is None or not module_name.startswith(e.name):
+                raise
+            _print({"error": f"{module_name} is not available: {e}"})
+            return 2
         return int(module.main(rest) or 0)
     args = _parser().parse_args(argv)
     handlers = {"submit": _submit, "status": _status, "cancel": _cancel}
