@@ -88,7 +88,7 @@ def preset_shape(family: str, preset: str) -> Shape:
     return shape
 
 
-def _family_config(family: str, preset: str, shape: Shape, dtype: torch.dtype) -> PretrainedConfig:
+def hf_config_for(family: str, preset: str, shape: Shape, dtype: torch.dtype) -> PretrainedConfig:
     """The ``transformers`` config object for ``family`` with the preset's shape."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
@@ -234,7 +234,7 @@ def build_checkpoint(
     shape = preset_shape(family, preset)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    config = _family_config(family, preset, shape, dtype)
+    config = hf_config_for(family, preset, shape, dtype)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     init_weights(model, seed, shape.hidden_size, bool(config.tie_word_embeddings))
     model = model.to(dtype)
