@@ -1,0 +1,154 @@
+"""Attention-kernel micro-benchmark for the torch (CPU) backend: prints one JSON line.
+
+Per layer, fp32, 8 query heads / 4 KV heads / head_dim 64 / block_size 16 (the model the
+project benchmarks):
+
+* decode at (batch 64, ctx 512) and (batch 256, ctx 256): milliseconds, achieved GB/s of K/V
+  read, and the ratio against a dense SDPA over contiguous K/V of the same shape (same process);
+* prefill of 512 fresh tokens, and a 512-token chunk after 512 cached tokens;
+* the machine's memcpy bandwidth (bytes read per second while copying a buffer the size of the
+  decode K/V), measured alongside, since the machine is shared and its bandwidth drifts.
+
+Usage: ``python -m bench.kernels [--repeats N] [--threads N]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels.testing import make_metadata
+from kernels.torch_backend import TorchBackend
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 4, 64, 16
+
+
+def median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def memcpy_gbps(num_bytes: int, repeats: int) -> float:
+    src = torch.randn(num_bytes // 4)
+    dst = torch.empty_like(src)
+    return num_bytes / median_seconds(lambda: dst.copy_(src), repeats) / 1e9
+
+
+@dataclass
+class DecodeResult:
+    batch: int
+    ctx: int
+    ms: float
+    kv_gbps: float
+    dense_sdpa_ms: float
+    ratio_vs_dense: float
+    memcpy_gbps: float
+    fraction_of_memcpy: float
+
+
+def bench_decode(batch: int, ctx: int, repeats: int) -> DecodeResult:
+    """Decode tokens whose contexts are scattered randomly through a pool of blocks."""
+    gen = torch.Generator().manual_seed(0)
+    num_blocks = batch * ((ctx + BLOCK_SIZE - 1) // BLOCK_SIZE) + 16
+    meta = make_metadata([1] * batch, [ctx] * batch, BLOCK_SIZE, num_blocks, gen)
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    query = torch.randn(batch, NUM_HEADS, HEAD_DIM, generator=gen)
+    key = torch.randn(batch, NUM_KV_HEADS, HEAD_DIM, generator=gen)
+    value = torch.randn(batch, NUM_KV_HEADS, HEAD_DIM, generator=gen)
+    backend = TorchBackend()
+    scale = HEAD_DIM**-0.5
+    ours = median_seconds(
+        lambda: backend.paged_attention(query, key, value, k_cache, v_cache, meta, scale), repeats
+    )
+    k_dense = torch.randn(batch, NUM_KV_HEADS, ctx, HEAD_DIM, generator=gen)
+    v_dense = torch.randn(batch, NUM_KV_HEADS, ctx, HEAD_DIM, generator=gen)
+    q_dense = query.unsqueeze(2)
+    dense = median_seconds(
+        lambda: F.scaled_dot_product_attention(q_dense, k_dense, v_dense, enable_gqa=True),
+        repeats,
+    )
+    kv_bytes = 2 * batch * ctx * NUM_KV_HEADS * HEAD_DIM * 4
+    copy = memcpy_gbps(kv_bytes, repeats)
+    gbps = kv_bytes / ours / 1e9
+    return DecodeResult(
+        batch=batch,
+        ctx=ctx,
+        ms=round(ours * 1e3, 3),
+        kv_gbps=round(gbps, 2),
+        dense_sdpa_ms=round(dense * 1e3, 3),
+        ratio_vs_dense=round(ours / dense, 3),
+        memcpy_gbps=round(copy, 2),
+        fraction_of_memcpy=round(gbps / copy, 3),
+    )
+
+
+def bench_prefill(chunk: int, prefix: int, repeats: int) -> dict[str, float]:
+    gen = torch.Generator().manual_seed(1)
+    seq_len = prefix + chunk
+    num_blocks = (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE + 4
+    meta = make_metadata([chunk], [seq_len], BLOCK_SIZE, num_blocks, gen)
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    query = torch.randn(chunk, NUM_HEADS, HEAD_DIM, generator=gen)
+    key = torch.randn(chunk, NUM_KV_HEADS, HEAD_DIM, generator=gen)
+    value = torch.randn(chunk, NUM_KV_HEADS, HEAD_DIM, generator=gen)
+    backend = TorchBackend()
+    scale = HEAD_DIM**-0.5
+    ours = median_seconds(
+        lambda: backend.paged_attention(query, key, value, k_cache, v_cache, meta, scale), repeats
+    )
+    q_dense = query.transpose(0, 1).unsqueeze(0).contiguous()
+    k_dense = torch.randn(1, NUM_KV_HEADS, seq_len, HEAD_DIM, generator=gen)
+    v_dense = torch.randn(1, NUM_KV_HEADS, seq_len, HEAD_DIM, generator=gen)
+    q_pos = torch.arange(prefix, seq_len)
+    mask = torch.arange(seq_len)[None, :] <= q_pos[:, None]
+    dense = median_seconds(
+        lambda: F.scaled_dot_product_attention(
+            q_dense, k_dense, v_dense, attn_mask=mask, enable_gqa=True
+        ),
+        repeats,
+    )
+    return {"ms": round(ours * 1e3, 3), "dense_sdpa_ms": round(dense * 1e3, 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    decode = [asdict(bench_decode(b, c, args.repeats)) for b, c in [(64, 512), (256, 256)]]
+    result = {
+        "bench": "kernels.torch",
+        "threads": torch.get_num_threads(),
+        "shape": {
+            "num_heads": NUM_HEADS,
+            "num_kv_heads": NUM_KV_HEADS,
+            "head_dim": HEAD_DIM,
+            "block_size": BLOCK_SIZE,
+            "dtype": "float32",
+        },
+        "decode": decode,
+        "prefill_512": bench_prefill(512, 0, args.repeats),
+        "prefill_512_after_512_cached": bench_prefill(512, 512, args.repeats),
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
