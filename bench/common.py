@@ -10,6 +10,11 @@ from typing import Any
 
 def emit(name: str, figures: dict[str, Any]) -> None:
     """Print the benchmark's single JSON line (figures plus where it ran)."""
-    record = {"bench": name, **figures, "python": platform.python_version(), "machine": platform.machine()}
+    record = {
+        "bench": name,
+        **figures,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+    }
     sys.stdout.write(json.dumps(record, sort_keys=False) + "\n")
     sys.stdout.flush()

@@ -50,7 +50,9 @@ def simulate_paged(reqs: list[Request], memory_tokens: int, block_size: int) -> 
     rng = random.Random(1)
     for i, r in enumerate(reqs):
         prompt = [rng.randrange(1, 30000) for _ in range(r.prompt_len)]
-        sched.add_sequence(f"r{i}", prompt, StopConditions(max_tokens=r.output_len, ignore_eos=True))
+        sched.add_sequence(
+            f"r{i}", prompt, StopConditions(max_tokens=r.output_len, ignore_eos=True)
+        )
     waste = []
     running = []
     while sched.has_work():

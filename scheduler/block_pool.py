@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 BlockHash = bytes
 
 
-def hash_block(parent: BlockHash | None, tokens: list[int] | tuple[int, ...], extra: str | None) -> BlockHash:
+def hash_block(
+    parent: BlockHash | None, tokens: list[int] | tuple[int, ...], extra: str | None
+) -> BlockHash:
     """Chained digest of one full block: parent digest, the block's token ids, an optional salt.
 
     A 128-bit BLAKE2b digest makes accidental collisions practically impossible; the pool still
@@ -79,7 +81,9 @@ class BlockPool:
     are appended at its back when released, so the least recently used prefix is evicted first.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError("num_blocks must be positive")
         if block_size <= 0 or block_size & (block_size - 1):

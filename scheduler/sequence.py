@@ -87,7 +87,9 @@ class Sequence:
         while len(hashes) < num_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, tokens[i * block_size : (i + 1) * block_size], self.cache_salt))
+            hashes.append(
+                hash_block(parent, tokens[i * block_size : (i + 1) * block_size], self.cache_salt)
+            )
         return hashes
 
     def check_stop(self, token: int) -> FinishReason | None:
