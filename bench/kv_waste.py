@@ -27,7 +27,7 @@ class Request:
 
 def skewed(rng: random.Random, lo: int, hi: int) -> int:
     """Log-uniform: most requests short, a long tail of long ones (like chat traffic)."""
-    return int(round(lo * (hi / lo) ** rng.random()))
+    return round(lo * (hi / lo) ** rng.random())
 
 
 def workload(n: int, seed: int) -> list[Request]:

@@ -74,7 +74,7 @@ FREE, IN_USE, CACHED, SHARED = 0, 1, 2, 3
 
 
 class BlockPool:
-    """Reference-counted blocks with an LRU free queue that doubles as the prefix-cache eviction order.
+    """Reference-counted blocks; the LRU free queue doubles as the prefix-cache eviction order.
 
     The free queue is an ``OrderedDict`` (O(1) removal from the middle when a cached block is hit).
     Blocks that hold no reusable prefix sit at its front and are handed out first; blocks that do

@@ -298,6 +298,12 @@ class Scheduler:
             if pool.num_free - hits_free - new_blocks < self._watermark_blocks and self.running:
                 break
             if pool.num_free - hits_free < new_blocks:
+                if not self.running and _ceil_div(seq.num_tokens, bs) > pool.num_blocks:
+                    # Its tokens (prompt plus what it generated before a preemption) outgrew
+                    # the whole pool: it can never run again.
+                    self.finish(seq, FinishReason.LENGTH)
+                    self.finished_in_schedule.append(seq)
+                    continue
                 break
             self.waiting[seq.priority].popleft()
             for b in hits:
@@ -416,7 +422,7 @@ class Scheduler:
         return None
 
     def _prefix_hits(self, seq: Sequence) -> list[int]:
-        """Cached blocks for the longest prefix of ``seq``, always leaving its last token to compute."""
+        """Cached blocks for the longest cached prefix of ``seq``; its last token is never a hit."""
         if not self.pool.enable_prefix_caching:
             return []
         bs = self.block_size

@@ -1,4 +1,4 @@
-"""Per-sequence state: tokens, progress, block table and the stop conditions the scheduler checks."""
+"""Per-sequence state: tokens, progress, block table and the stop conditions checked per step."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, a stop token id or (from the detokenizer) a stop string
     LENGTH = "length"  # max_tokens or the model's context length
     ABORT = "abort"

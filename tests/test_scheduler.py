@@ -1,4 +1,4 @@
-"""Exact small-pool tests: eviction order, copy-on-write pairs, chunk budgets, preemption victims."""
+"""Exact small-pool tests: eviction order, copy-on-write pairs, chunk budgets, preemptions."""
 
 from __future__ import annotations
 
