@@ -1,0 +1,97 @@
+"""What a worker publishes in its heartbeat, and how the API reads it back.
+
+Workers keep cumulative counters and histogram buckets (like Prometheus client libraries do) and
+publish them every second under their heartbeat key; the API sums nothing itself, it labels every
+series with the worker id, so a restarted worker shows up as a counter reset, which Prometheus
+handles.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+#: Latency buckets in seconds (time to first token and end-to-end), shared by workers and the API.
+LATENCY_BUCKETS: tuple[float, ...] = (
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0,
+)  # fmt: skip
+
+BLOCK_FREE, BLOCK_IN_USE, BLOCK_CACHED, BLOCK_SHARED = "0", "1", "2", "3"
+
+
+class Histogram(BaseModel):
+    """Cumulative: ``counts[i]`` observations <= ``buckets[i]``; ``count`` includes +Inf."""
+
+    buckets: list[float] = Field(default_factory=lambda: list(LATENCY_BUCKETS))
+    counts: list[int] = Field(default_factory=lambda: [0] * len(LATENCY_BUCKETS))
+    sum: float = 0.0
+    count: int = 0
+
+    def observe(self, value: float) -> None:
+        i = bisect.bisect_left(self.buckets, value)
+        for j in range(i, len(self.counts)):
+            self.counts[j] += 1
+        self.sum += value
+        self.count += 1
+
+
+class PoolSnapshot(BaseModel):
+    num_blocks: int
+    block_size: int
+    free: int
+    in_use: int
+    cached: int  # free blocks still holding a reusable prefix
+    shared: int  # blocks referenced by more than one sequence
+    tokens_stored: int
+    fragmentation_slots: int
+    usage: float  # in_use / num_blocks
+    # One character per block, in block-id order: 0 free, 1 in use, 2 cached, 3 shared.
+    block_states: str = ""
+
+
+class PrefixCacheSnapshot(BaseModel):
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    queried_blocks: int = 0
+    hit_blocks: int = 0
+    hit_rate: float = 0.0
+
+
+class RunningJob(BaseModel):
+    id: str
+    tokens: int  # generated so far (all completions of the job together)
+    max_tokens: int | None = None
+
+
+class WorkerHeartbeat(BaseModel):
+    """Published by ``store.heartbeat(worker_id, hb.model_dump())`` about once a second."""
+
+    worker_id: str
+    model: str
+    host: str = ""
+    pid: int = 0
+    started_at: float = 0.0
+    state: str = "serving"  # serving | draining | reconnecting
+    steps: int = 0
+    running: int = 0
+    waiting: int = 0
+    tokens_generated: int = 0  # cumulative output tokens
+    prompt_tokens: int = 0  # cumulative prompt tokens computed
+    throughput_tok_s: float = 0.0  # output tokens per second over the last ~10 s
+    preemptions: int = 0
+    jobs_finished: dict[str, int] = Field(default_factory=dict)  # final status -> count
+    prefix_cache: PrefixCacheSnapshot = Field(default_factory=PrefixCacheSnapshot)
+    pool: PoolSnapshot | None = None
+    jobs: list[RunningJob] = Field(default_factory=list)
+    time_to_first_token_seconds: Histogram = Field(default_factory=Histogram)
+    e2e_request_latency_seconds: Histogram = Field(default_factory=Histogram)
+
+    @classmethod
+    def parse_published(cls, fields: dict[str, Any]) -> WorkerHeartbeat | None:
+        """Read back what ``JobStore.workers()`` returns for one worker (None if malformed)."""
+        try:
+            return cls.model_validate({k: v for k, v in fields.items() if k in cls.model_fields})
+        except ValueError:
+            return None
