@@ -224,11 +224,13 @@ def run_and_compare(model: CausalLM, ref: Any, prompt: list[int], decode_steps: 
     assert_matches_reference(ref, seq, got)
 
 
-def copy_with_config(src: Path, dst: Path, **changes: Any) -> Path:
-    """A copy of checkpoint ``src`` whose config.json has ``changes`` applied."""
+def copy_with_config(src: Path, dst: Path, drop: tuple[str, ...] = (), **changes: Any) -> Path:
+    """A copy of checkpoint ``src`` whose config.json has ``changes`` applied, ``drop`` removed."""
     shutil.copytree(src, dst)
     config = json.loads((dst / "config.json").read_text())
     config.update(changes)
+    for key in drop:
+        config.pop(key, None)
     (dst / "config.json").write_text(json.dumps(config))
     return dst
 
@@ -333,3 +335,24 @@ def test_bfloat16_tracks_float32(
     assert diff.mean() < 0.03 * scale and diff.max() < 0.2 * scale
     agree = (logits["bf16"].argmax(-1) == logits["fp32"].argmax(-1)).float().mean()
     assert agree > 0.9
+
+
+def test_qwen2_sliding_window_on_upper_layers_matches_transformers(
+    tmp_path: Path, make_tiny_model: MakeTinyModel
+) -> None:
+    """``use_sliding_window`` with ``max_window_layers=1``: layer 0 full, layer 1 windowed."""
+    from transformers import AutoModelForCausalLM
+
+    path = copy_with_config(
+        make_tiny_model("qwen2"),
+        tmp_path / "qwen2-swa",
+        drop=("layer_types",),
+        use_sliding_window=True,
+        sliding_window=12,
+        max_window_layers=1,
+    )
+    model = load_model(path)
+    assert model.config.layer_sliding_windows == (None, 12)
+    assert model.config.sliding_window == 12
+    ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    run_and_compare(model, ref, random_prompt(45, model.config.vocab_size, seed=9))
