@@ -9,7 +9,10 @@ project benchmarks):
 * the machine's memcpy bandwidth (bytes read per second while copying a buffer the size of the
   decode K/V), measured alongside, since the machine is shared and its bandwidth drifts.
 
-Usage: ``python -m bench.kernels [--repeats N] [--threads N]``
+With ``--triton`` (CUDA only) it times the Triton decode instead: batch 64 and 256, contexts 1k
+and 4k, bf16, 32 / 8 / 128 heads, against a device-to-device copy of the same number of bytes.
+
+Usage: ``python -m bench.kernels [--repeats N] [--threads N] [--triton]``
 """
 
 from __future__ import annotations
@@ -125,11 +128,57 @@ def bench_prefill(chunk: int, prefix: int, repeats: int) -> dict[str, float]:
     return {"ms": round(ours * 1e3, 3), "dense_sdpa_ms": round(dense * 1e3, 3)}
 
 
+def bench_triton_decode(batch: int, ctx: int, repeats: int) -> dict[str, float]:
+    """Triton decode on CUDA, Llama-8B-like heads (32 / 8 / 128), bf16, block_size 16."""
+    from kernels.triton_backend import TritonBackend
+
+    heads, kv_heads, head_dim, block_size = 32, 8, 128, 16
+    gen = torch.Generator().manual_seed(0)
+    num_blocks = batch * ((ctx + block_size - 1) // block_size) + 16
+    meta = make_metadata([1] * batch, [ctx] * batch, block_size, num_blocks, gen, "cuda")
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    query = torch.randn(batch, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    backend = TritonBackend()
+
+    def run() -> None:
+        backend.paged_attention(query, query, query, k_cache, v_cache, meta, head_dim**-0.5)
+        torch.cuda.synchronize()
+
+    seconds = median_seconds(run, repeats)
+    kv_bytes = 2 * batch * ctx * kv_heads * head_dim * 2
+    src = torch.empty(kv_bytes // 2, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+
+    def copy() -> None:
+        dst.copy_(src)
+        torch.cuda.synchronize()
+
+    copy_gbps = kv_bytes / median_seconds(copy, repeats) / 1e9
+    gbps = kv_bytes / seconds / 1e9
+    return {
+        "batch": batch,
+        "ctx": ctx,
+        "ms": round(seconds * 1e3, 3),
+        "kv_gbps": round(gbps, 1),
+        "d2d_copy_read_gbps": round(copy_gbps, 1),
+        "fraction_of_copy": round(gbps / copy_gbps, 3),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--triton", action="store_true", help="time the Triton decode on CUDA")
     args = parser.parse_args()
+    if args.triton:
+        cases = [(b, c) for b in (64, 256) for c in (1024, 4096)]
+        decode = [bench_triton_decode(b, c, args.repeats) for b, c in cases]
+        print(json.dumps({"bench": "kernels.triton", "device": torch.cuda.get_device_name(),
+                          "dtype": "bfloat16", "decode": decode}))  # fmt: skip
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     decode = [asdict(bench_decode(b, c, args.repeats)) for b, c in [(64, 512), (256, 256)]]
