@@ -75,6 +75,16 @@ class Finish:
     status: FinalStatus
     result: JobResult | None = None
     error: str | None = None
+    #: For a job of an OpenAI batch: the batch and the output (succeeded) or error-file line
+    #: (failed, cancelled) appended atomically with the final write, only if it is accepted.
+    batch_id: str | None = None
+    batch_line: str | None = None
+
+
+def batch_keys(keys: Keys, batch_id: str) -> tuple[str, str, str, str]:
+    """A batch's hash, output-line list, error-line list and set of counted job ids."""
+    base = keys.batch(batch_id)
+    return base, f"{base}:output", f"{base}:errors", f"{base}:counted"
 
 
 @dataclass
@@ -469,6 +479,11 @@ class JobStore:
             self.retention_s,
             self.events_maxlen,
         ]
+        if fin.batch_id and fin.batch_line is not None:
+            ok = fin.status == "succeeded"
+            bhash, out, errs, counted = batch_keys(self.keys, fin.batch_id)
+            keys += [bhash, out if ok else errs, counted]
+            args += [fin.batch_line, "completed" if ok else "failed", lease.job_id]
         return ("finish", keys, args)
 
     def _progress_call(self, p: Progress) -> Call:
