@@ -8,7 +8,8 @@ Layout (prefix ``ps``)::
     ps:batch:{id}:output     list   output-file lines, appended by the fenced finish of each job
     ps:batch:{id}:errors     list   error-file lines (rejected input lines, failed jobs)
     ps:batch:{id}:counted    set    job ids already counted (each job is counted once)
-    ps:batches               zset   batch id -> created_at (ms), for listing newest first
+    ps:batches               zset   batch id -> creation sequence number (list newest first)
+    ps:batches:seq           string that sequence
     ps:batches:active        set    batches not yet in a final status (for beat tasks)
 
 Life cycle: validating -> (fan_out) in_progress | failed -> (finalize) finalizing -> completed;
@@ -205,8 +206,8 @@ class BatchStore:
             raise KeyError(f"file {input_file_id} not found")
         if f.purpose != "batch":
             raise ValueError(f"file {input_file_id} has purpose {f.purpose!r}, not 'batch'")
-        t = self.r.time()
-        now = int(t[0])
+        now = self._now()
+        seq = self.r.incr(f"{self.index_key}:seq")  # orders batches created in the same ms
         b = Batch(
             id=_new_id("batch"),
             endpoint=endpoint,
@@ -220,7 +221,7 @@ class BatchStore:
         pipe = self.r.pipeline(transaction=True)
         pipe.hset(self.keys.batch(b.id), mapping=self._fields(b))
         pipe.hset(self.keys.batch(b.id), mapping={"total": 0, "completed": 0, "failed": 0})
-        pipe.zadd(self.index_key, {b.id: t[0] * 1000 + t[1] // 1000})
+        pipe.zadd(self.index_key, {b.id: seq})
         pipe.sadd(self.active_key, b.id)
         pipe.execute()
         return b
