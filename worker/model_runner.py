@@ -1,0 +1,247 @@
+"""SchedulerOutput -> tensors -> one forward pass -> logits of the sequences that sample.
+
+The runner owns the KV cache (one ``[num_blocks, block_size, kv_heads, head_dim]`` pair per layer)
+and a persistent block-table tensor: each sequence keeps a row for as long as the runner knows it,
+and each step only the new block ids the scheduler sends are written into it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kernels import AttentionMetadata
+from scheduler.output import SchedulerOutput
+from worker.loader import load_model
+from worker.models.decoder import CausalLM
+from worker.outputs import EngineConfig
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+#: Default KV-cache budget on a CPU when neither num_kv_blocks nor kv_cache_memory is given.
+DEFAULT_CPU_KV_BYTES = 2 << 30
+
+
+@dataclass(slots=True)
+class CacheLayout:
+    num_blocks: int
+    block_size: int
+    bytes_per_token: int
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        dtype = _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {name!r}; use one of {sorted(_DTYPES)}") from None
+    if device.type == "cpu" and dtype is torch.float16:
+        raise ValueError("float16 is not supported on CPU; use float32 or bfloat16")
+    return dtype
+
+
+class ModelRunner:
+    def __init__(
+        self, model_dir: str | Path, config: EngineConfig, max_model_len: int | None = None
+    ):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model: CausalLM = load_model(model_dir, self.dtype, self.device)
+        mc = self.model.config
+        self.max_model_len = min(
+            max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
+        )
+        self.block_size = config.block_size
+        self.layout = self._plan_cache()
+        shape = (self.layout.num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(mc.num_layers)
+        ]
+        self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
+        rows = config.max_num_seqs * 2 + 8  # forks can briefly exceed max_num_seqs
+        self._tables = torch.zeros((rows, self.max_blocks_per_seq), dtype=torch.int32)
+        self._free_rows = list(range(rows - 1, -1, -1))
+        self._row_of: dict[int, int] = {}
+        self._len_of: dict[int, int] = {}
+        log.info(
+            "KV cache: %d bytes per token, %d blocks of %d tokens, capacity %d tokens (%.1f MiB)",
+            self.layout.bytes_per_token,
+            self.layout.num_blocks,
+            self.block_size,
+            self.layout.capacity_tokens,
+            self.layout.num_blocks * self.block_size * self.layout.bytes_per_token / 2**20,
+        )
+
+    # ------------------------------------------------------------------ sizing
+    def bytes_per_token(self) -> int:
+        mc = self.model.config
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * elem
+
+    def _plan_cache(self) -> CacheLayout:
+        per_token = self.bytes_per_token()
+        per_block = per_token * self.block_size
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            blocks = cfg.num_kv_blocks
+        elif cfg.kv_cache_memory is not None:
+            blocks = cfg.kv_cache_memory // per_block
+        elif self.device.type == "cuda":
+            blocks = self._profile_cuda_blocks(per_block)
+        else:
+            # Never reserve more than every sequence at full length could ever use.
+            most = cfg.max_num_seqs * math.ceil(self.max_model_len / self.block_size)
+            blocks = min(DEFAULT_CPU_KV_BYTES // per_block, most)
+        if blocks < 1:
+            raise ValueError(
+                f"the KV-cache budget holds no block: one block of {self.block_size} tokens "
+                f"needs {per_block} bytes"
+            )
+        return CacheLayout(int(blocks), self.block_size, per_token)
+
+    def _profile_cuda_blocks(self, per_block: int) -> int:
+        """Run a worst-case forward pass, then give a fraction of the memory left to the cache."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        n = min(self.config.max_num_batched_tokens, self.max_model_len)
+        mc = self.model.config
+        shape = (1, self.block_size, mc.num_kv_heads, mc.head_dim)
+        scratch = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),) * 2
+            for _ in range(mc.num_layers)
+        ]
+        # Profile with a batch of single-token sequences writing into one scratch block.
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        meta = AttentionMetadata(
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=self.device),
+            seq_lens=torch.ones(n, dtype=torch.int32, device=self.device),
+            block_tables=torch.zeros((n, 1), dtype=torch.int32, device=self.device),
+            slot_mapping=torch.zeros(n, dtype=torch.long, device=self.device),
+            query_lens_host=[1] * n,
+            seq_lens_host=[1] * n,
+            max_query_len=1,
+            max_seq_len=1,
+        )
+        hidden = self.model(ids, ids, scratch, meta)
+        self.model.compute_logits(hidden[-min(n, self.config.max_num_seqs) :])
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = free - (1 - self.config.gpu_memory_utilization) * total
+        del scratch, hidden
+        return int(max(0, budget) // per_block)
+
+    # ---------------------------------------------------------------- execution
+    def release(self, seq_ids: list[int]) -> None:
+        for seq_id in seq_ids:
+            row = self._row_of.pop(seq_id, None)
+            if row is not None:
+                self._free_rows.append(row)
+                self._len_of.pop(seq_id, None)
+
+    def _update_tables(self, out: SchedulerOutput) -> list[int]:
+        rows: list[int] = []
+        tables = self._tables
+        for s in out.scheduled:
+            row = self._row_of.get(s.seq_id)
+            if row is None:
+                row = self._free_rows.pop()
+                self._row_of[s.seq_id] = row
+            if s.new_block_ids:
+                end = s.block_offset + len(s.new_block_ids)
+                tables[row, s.block_offset : end] = torch.tensor(s.new_block_ids, dtype=torch.int32)
+                self._len_of[s.seq_id] = end
+            rows.append(row)
+        return rows
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        src = torch.tensor([c[0] for c in copies], dtype=torch.long, device=self.device)
+        dst = torch.tensor([c[1] for c in copies], dtype=torch.long, device=self.device)
+        for k, v in self.kv_caches:
+            k.index_copy_(0, dst, k.index_select(0, src))
+            v.index_copy_(0, dst, v.index_select(0, src))
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> torch.Tensor | None:
+        """Run the step; float32 logits ``[sampling sequences, vocab]``, or None if none samples."""
+        self.release(out.released_seq_ids)
+        self.release(out.preempted_seq_ids)
+        if out.block_copies:
+            self._copy_blocks(out.block_copies)
+        if not out.scheduled:
+            return None
+        rows = self._update_tables(out)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qlens: list[int] = []
+        seqlens: list[int] = []
+        sample_idx: list[int] = []
+        t = 0
+        for s in out.scheduled:
+            n = len(s.token_ids)
+            input_ids += s.token_ids
+            if n == 1:
+                positions.append(s.start_pos)
+            else:
+                positions += range(s.start_pos, s.start_pos + n)
+            slots += s.slot_mapping
+            qlens.append(n)
+            seqlens.append(s.start_pos + n)
+            t += n
+            if s.sample:
+                sample_idx.append(t - 1)
+        dev = self.device
+        max_seq = max(seqlens)
+        nblocks = -(-max_seq // self.block_size)
+        row_idx = torch.tensor(rows, dtype=torch.long)
+        block_tables = self._tables[:, :nblocks].index_select(0, row_idx)
+        qsl = [0] * (len(qlens) + 1)
+        for i, q in enumerate(qlens):
+            qsl[i + 1] = qsl[i] + q
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seqlens, dtype=torch.int32, device=dev),
+            block_tables=block_tables.to(dev, non_blocking=True),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            query_lens_host=qlens,
+            seq_lens_host=seqlens,
+            max_query_len=max(qlens),
+            max_seq_len=max_seq,
+        )
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            self.kv_caches,
+            meta,
+        )
+        if not sample_idx:
+            return None
+        if len(sample_idx) == t:
+            picked = hidden
+        else:
+            picked = hidden.index_select(0, torch.tensor(sample_idx, dtype=torch.long, device=dev))
+        return self.model.compute_logits(picked)

@@ -1,0 +1,116 @@
+"""A step's logits to tokens: penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
+
+Greedy rows without penalties take one batched argmax. A row with its own seed samples with its
+own generator (one per completion), so its text does not depend on what else shares the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.params import SamplingParams
+from worker.outputs import TokenLogprob
+
+
+@dataclass(slots=True)
+class SampleRow:
+    """One logits row to sample from, ``n`` times (n > 1 only for a parent's first token)."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generators: list[torch.Generator | None]  # one per draw
+    n: int = 1
+
+
+def _has_penalties(p: SamplingParams) -> bool:
+    return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
+
+
+def apply_penalties(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
+    """OpenAI presence/frequency penalties on output tokens; HF-style repetition penalty on all."""
+    p = row.params
+    vocab = logits.shape[-1]
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(
+            sorted(set(row.prompt_token_ids) | set(row.output_token_ids)), dtype=torch.long
+        )
+        seen = seen[seen < vocab]
+        vals = logits[seen]
+        logits[seen] = torch.where(
+            vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+        )
+    if row.output_token_ids and (p.presence_penalty or p.frequency_penalty):
+        ids = torch.tensor(row.output_token_ids, dtype=torch.long)
+        ids = ids[ids < vocab]
+        counts = torch.bincount(ids, minlength=vocab).to(logits.dtype)
+        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Temperature-scaled logits with top-k, top-p and min-p applied (-inf outside)."""
+    logits = logits / p.temperature
+    if p.top_k and p.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if p.min_p > 0.0:
+        probs = torch.softmax(logits, -1)
+        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cum = torch.softmax(sorted_logits, -1).cumsum(-1)
+        drop = cum - torch.softmax(sorted_logits, -1) > p.top_p  # keep the token crossing top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(0, order, sorted_logits)
+    return logits
+
+
+def _draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
+    # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p, one op, seedable.
+    noise = torch.empty_like(probs).exponential_(generator=gen)
+    return int(torch.argmax(probs / noise))
+
+
+class Sampler:
+    def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[list[int]]:
+        """Tokens for each row (a list of ``row.n`` tokens each)."""
+        out: list[list[int]] = [[] for _ in rows]
+        simple = [
+            i
+            for i, r in enumerate(rows)
+            if r.params.temperature == 0.0 and r.n == 1 and not _has_penalties(r.params)
+        ]
+        if simple:
+            if len(simple) == len(rows):
+                tokens = torch.argmax(logits, dim=-1).tolist()
+            else:
+                idx = torch.tensor(simple, dtype=torch.long)
+                tokens = torch.argmax(logits.index_select(0, idx), dim=-1).tolist()
+            for i, t in zip(simple, tokens, strict=True):
+                out[i] = [t]
+        done = set(simple)
+        for i, row in enumerate(rows):
+            if i in done:
+                continue
+            x = logits[i].clone()
+            if _has_penalties(row.params):
+                x = apply_penalties(x, row)
+            if row.params.temperature == 0.0:
+                out[i] = [int(torch.argmax(x))] * row.n
+                continue
+            probs = torch.softmax(_filter(x, row.params), -1)
+            out[i] = [_draw(probs, row.generators[k]) for k in range(row.n)]
+        return out
+
+    @staticmethod
+    def logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+        """Log-probabilities of the model's raw distribution for ``tokens`` drawn from one row."""
+        lp = torch.log_softmax(logits.float(), -1)
+        top_map: dict[int, float] = {}
+        if top > 0:
+            vals, ids = torch.topk(lp, top)
+            top_map = dict(zip(ids.tolist(), vals.tolist(), strict=True))
+        return [TokenLogprob(t, float(lp[t]), dict(top_map)) for t in tokens]
