@@ -26,6 +26,7 @@ PREFIX_ENV = "PAGEDSERVE_PREFIX"
 DELEGATED = {
     "make-model": "worker.make_model",
     "worker": "worker.service",
+    "api": "api.server",
 }
 
 

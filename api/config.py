@@ -1,0 +1,69 @@
+"""API settings: from a mapping given to :func:`api.create_app`, else the environment."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from pagedserve.redis_util import URL_ENV, default_url
+
+#: Comma-separated bearer tokens; when set, every endpoint but the health checks and the
+#: dashboard's static page needs ``Authorization: Bearer <key>``.
+API_KEYS_ENV = "PAGEDSERVE_API_KEYS"
+PREFIX_ENV = "PAGEDSERVE_PREFIX"
+
+MIB = 1024 * 1024
+
+
+def parse_keys(value: str | None) -> tuple[str, ...]:
+    """``"a, b,,c"`` -> ``("a", "b", "c")``."""
+    return tuple(k.strip() for k in (value or "").split(",") if k.strip())
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    redis_url: str = field(default_factory=default_url)
+    prefix: str = "ps"
+    #: Accepted bearer tokens; empty: no authentication.
+    api_keys: tuple[str, ...] = ()
+    #: Largest request body (file uploads); Flask answers 413 above it.
+    max_content_length: int = 200 * MIB
+    #: Largest body of every endpoint other than file uploads.
+    max_json_bytes: int = 1 * MIB
+    #: A heartbeat older than this (Redis clock) does not count for /readyz.
+    heartbeat_fresh_s: float = 10.0
+    #: A busy worker whose step counter has not moved for this long does not count for /readyz.
+    stall_s: float = 15.0
+    #: How long one server-sent events response may stay open.
+    sse_max_s: float = 3600.0
+    #: Blocking read slice of the events stream; a keep-alive comment is sent after each empty one.
+    sse_block_ms: int = 1000
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> ApiConfig:
+        base = cls(
+            redis_url=os.environ.get(URL_ENV) or default_url(),
+            prefix=os.environ.get(PREFIX_ENV, "ps"),
+            api_keys=parse_keys(os.environ.get(API_KEYS_ENV)),
+        )
+        return base.with_overrides(overrides)
+
+    def with_overrides(self, overrides: Mapping[str, Any]) -> ApiConfig:
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ValueError(f"unknown API config keys: {unknown}; known: {sorted(known)}")
+        values = dict(overrides)
+        if isinstance(values.get("api_keys"), str):
+            values["api_keys"] = parse_keys(values["api_keys"])
+        elif values.get("api_keys") is not None:
+            values["api_keys"] = tuple(values["api_keys"])
+        return replace(self, **values)
+
+
+def as_config(config: ApiConfig | Mapping[str, Any] | None) -> ApiConfig:
+    if isinstance(config, ApiConfig):
+        return config
+    return ApiConfig.from_env(**dict(config or {}))

@@ -1,0 +1,129 @@
+"""``GET /metrics``: Prometheus text built at scrape time from Redis.
+
+Worker series come from each live worker's heartbeat, labelled ``worker``; names follow vLLM's
+where the meaning is the same (``vllm:X`` -> ``pagedserve:X``). Counters are cumulative per worker
+process, so a restarted worker shows as a counter reset.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from flask import Blueprint, Response
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from api.state import AppState, WorkerView, get_state
+from api.status import state_counts
+from pagedserve.telemetry import Histogram
+
+bp = Blueprint("metrics", __name__)
+
+P = "pagedserve:"
+
+
+def histogram(name: str, doc: str, views: list[WorkerView], attr: str) -> HistogramMetricFamily:
+    fam = HistogramMetricFamily(P + name, doc, labels=["worker"])
+    for w in views:
+        h: Histogram = getattr(w.hb, attr)
+        buckets = [(repr(float(b)), float(c)) for b, c in zip(h.buckets, h.counts, strict=False)]
+        buckets.append(("+Inf", float(h.count)))
+        fam.add_metric([w.hb.worker_id], buckets, h.sum)
+    return fam
+
+
+def worker_gauges(views: list[WorkerView]) -> Iterator[Metric]:
+    def gauge(name: str, doc: str, values: list[tuple[str, float]]) -> GaugeMetricFamily:
+        fam = GaugeMetricFamily(P + name, doc, labels=["worker"])
+        for wid, v in values:
+            fam.add_metric([wid], v)
+        return fam
+
+    yield gauge("num_requests_running", "Jobs in the worker's running batch.",
+                [(w.hb.worker_id, w.hb.running) for w in views])  # fmt: skip
+    yield gauge("num_requests_waiting", "Jobs admitted by the worker, waiting for KV blocks.",
+                [(w.hb.worker_id, w.hb.waiting) for w in views])  # fmt: skip
+    yield gauge("kv_cache_usage_perc", "KV-cache usage: fraction of blocks in use (1 = 100%).",
+                [(w.hb.worker_id, w.hb.pool.usage) for w in views if w.hb.pool])  # fmt: skip
+    yield gauge("generation_throughput_toks_per_s", "Output tokens per second over ~10 s.",
+                [(w.hb.worker_id, w.hb.throughput_tok_s) for w in views])  # fmt: skip
+    yield gauge("heartbeat_age_seconds", "Seconds since the worker's last heartbeat.",
+                [(w.hb.worker_id, w.age_s) for w in views])  # fmt: skip
+    blocks = GaugeMetricFamily(
+        P + "kv_cache_blocks", "KV blocks per state (exclusive states).", labels=["worker", "state"]
+    )
+    for w in views:
+        if w.hb.pool:
+            for st, n in state_counts(w.hb.pool.block_states, w.hb.pool).items():
+                blocks.add_metric([w.hb.worker_id, st], n)
+    yield blocks
+
+
+def worker_counters(views: list[WorkerView]) -> Iterator[Metric]:
+    def counter(name: str, doc: str, values: list[tuple[str, float]]) -> CounterMetricFamily:
+        fam = CounterMetricFamily(P + name, doc, labels=["worker"])
+        for wid, v in values:
+            fam.add_metric([wid], v)
+        return fam
+
+    ids = [(w.hb.worker_id, w.hb) for w in views]
+    yield counter("prefix_cache_queries", "Prefix-cache queries, in tokens.",
+                  [(i, hb.prefix_cache.queried_tokens) for i, hb in ids])  # fmt: skip
+    yield counter("prefix_cache_hits", "Prefix-cache hits, in tokens.",
+                  [(i, hb.prefix_cache.hit_tokens) for i, hb in ids])  # fmt: skip
+    yield counter("num_preemptions", "Cumulative preemptions.",
+                  [(i, hb.preemptions) for i, hb in ids])  # fmt: skip
+    yield counter("generation_tokens", "Output tokens generated.",
+                  [(i, hb.tokens_generated) for i, hb in ids])  # fmt: skip
+    yield counter("prompt_tokens", "Prompt tokens computed (prefill).",
+                  [(i, hb.prompt_tokens) for i, hb in ids])  # fmt: skip
+    yield counter("engine_steps", "Engine steps run.",
+                  [(i, hb.steps) for i, hb in ids])  # fmt: skip
+    finished = CounterMetricFamily(
+        P + "request_success", "Finished jobs by final status.", labels=["worker", "status"]
+    )
+    for i, hb in ids:
+        for status, n in sorted(hb.jobs_finished.items()):
+            finished.add_metric([i, status], n)
+    yield finished
+
+
+class PagedServeCollector:
+    """Reads Redis once per scrape."""
+
+    def __init__(self, state: AppState) -> None:
+        self.state = state
+
+    def collect(self) -> Iterator[Metric]:
+        queues = self.state.store.queue_lengths()
+        views = self.state.live_workers()
+        depth = GaugeMetricFamily(
+            P + "queue_depth", "Jobs queued and not yet taken by a worker.", labels=["priority"]
+        )
+        for prio, n in queues.items():
+            depth.add_metric([prio], n)
+        yield depth
+        yield GaugeMetricFamily(P + "num_workers", "Live workers.", value=len(views))
+        yield from worker_gauges(views)
+        yield from worker_counters(views)
+        yield histogram("time_to_first_token_seconds", "Time to first token in seconds.",
+                        views, "time_to_first_token_seconds")  # fmt: skip
+        yield histogram("e2e_request_latency_seconds", "End-to-end job latency in seconds.",
+                        views, "e2e_request_latency_seconds")  # fmt: skip
+
+
+def render(state: AppState) -> bytes:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(PagedServeCollector(state))  # type: ignore[arg-type]
+    return generate_latest(registry)
+
+
+@bp.get("/metrics")
+def metrics() -> Response:
+    return Response(render(get_state()), content_type=CONTENT_TYPE_LATEST)
