@@ -70,9 +70,31 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("cancel", help="cancel a job; prints {id, status}")
     c.add_argument("id")
 
+    _batch_parser(sub)
+    cp = sub.add_parser("control-plane", help="run the Celery worker with embedded beat")
+    cp.add_argument("--pool", choices=["solo", "threads"], default="solo")
+    cp.add_argument("--loglevel", default="INFO")
+
     for name, module in DELEGATED.items():
         sub.add_parser(name, help=f"run {module}.main with the remaining arguments", add_help=False)
     return ap
+
+
+def _batch_parser(sub: Any) -> None:
+    b = sub.add_parser("batch", help="OpenAI-style batches (JSONL files)")
+    bsub = b.add_subparsers(dest="batch_command", required=True)
+    s = bsub.add_parser("submit", help="upload FILE.jsonl, create a batch and fan it out")
+    s.add_argument("file")
+    s.add_argument("--endpoint", default=None, help="default: the url of the first line")
+    s.add_argument("--completion-window", default="24h")
+    s.add_argument("--wait", action="store_true", help="show progress until the batch ends")
+    s.add_argument("--output", default=None, help="with --wait: write the output file here")
+    s.add_argument("--poll", type=float, default=1.0, help="seconds between polls (--wait)")
+    for name in ("status", "cancel"):
+        bsub.add_parser(name, help=f"{name} a batch").add_argument("id")
+    ls = bsub.add_parser("list", help="batches, newest first")
+    ls.add_argument("--after", default=None)
+    ls.add_argument("--limit", type=int, default=20)
 
 
 def _client(args: argparse.Namespace) -> Any:
@@ -138,6 +160,102 @@ def _cancel(args: argparse.Namespace) -> int:
     return 1 if status == "not_found" else 0
 
 
+def _batch_store(args: argparse.Namespace) -> Any:
+    from pagedserve.batches import BatchStore
+
+    return BatchStore(args.redis or default_url(), prefix=args.prefix)
+
+
+def _celery(args: argparse.Namespace) -> Any:
+    from pagedserve.celery_app import make_app
+
+    return make_app(args.redis or default_url())
+
+
+def _first_url(data: bytes) -> str:
+    for text in data.decode("utf-8", errors="replace").splitlines():
+        if text.strip():
+            try:
+                url = json.loads(text).get("url")
+            except (json.JSONDecodeError, AttributeError):
+                break
+            if isinstance(url, str):
+                return url
+            break
+    return "/v1/completions"
+
+
+def _batch_submit(args: argparse.Namespace) -> int:
+    bs = _batch_store(args)
+    with open(args.file, "rb") as fh:
+        data = fh.read()
+    try:
+        f = bs.files.create(data, os.path.basename(args.file))
+        b = bs.create(f.id, args.endpoint or _first_url(data), args.completion_window)
+    except (ValueError, KeyError) as e:
+        _print({"error": str(e)})
+        return 2
+    _celery(args).send_task("batches.fan_out", [b.id])
+    if not args.wait:
+        _print(b.model_dump(mode="json"))
+        return 0
+    b = _wait_batch(bs, b.id, args.poll)
+    if args.output and b.output_file_id:
+        with open(args.output, "w", encoding="utf-8") as out:
+            out.write(bs.files.content(b.output_file_id) or "")
+    _print(b.model_dump(mode="json"))
+    return 0 if b.status == "completed" else 1
+
+
+def _wait_batch(bs: Any, batch_id: str, poll: float) -> Any:
+    import time
+
+    from tqdm import tqdm
+
+    final = {"completed", "failed", "expired", "cancelled"}
+    with tqdm(desc=batch_id, unit="req", file=sys.stderr) as bar:
+        while True:
+            b = bs.get(batch_id)
+            c = b.request_counts
+            bar.total = c.total or None
+            bar.n = c.completed + c.failed
+            bar.set_postfix(status=b.status, failed=c.failed)
+            bar.refresh()
+            if b.status in final:
+                return b
+            time.sleep(poll)
+
+
+def _batch(args: argparse.Namespace) -> int:
+    if args.batch_command == "submit":
+        return _batch_submit(args)
+    bs = _batch_store(args)
+    if args.batch_command == "list":
+        _print(bs.list(after=args.after, limit=args.limit))
+        return 0
+    if args.batch_command == "cancel":
+        b = _celery(args).send_task("batches.cancel", [args.id]).get(timeout=60)
+    else:
+        got = bs.get(args.id)
+        b = got.model_dump(mode="json") if got else None
+    if b is None:
+        _print({"id": args.id, "status": "not_found"})
+        return 1
+    _print(b)
+    return 0
+
+
+def _control_plane(args: argparse.Namespace) -> int:
+    if args.redis:
+        os.environ[URL_ENV] = args.redis
+    os.environ[PREFIX_ENV] = args.prefix
+    from pagedserve.celery_app import app
+
+    argv = ["worker", "-B", f"--pool={args.pool}", "--concurrency=1", f"--loglevel={args.loglevel}"]
+    app.worker_main(argv)
+    return 0
+
+
 def _split_delegated(argv: list[str]) -> tuple[dict[str, str], str, list[str]] | None:
     """``[global options] make-model|worker REST...`` -> (global options, module, REST)."""
     opts: dict[str, str] = {}
@@ -177,7 +295,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         return int(module.main(rest) or 0)
     args = _parser().parse_args(argv)
-    handlers = {"submit": _submit, "status": _status, "cancel": _cancel}
+    handlers = {
+        "submit": _submit,
+        "status": _status,
+        "cancel": _cancel,
+        "batch": _batch,
+        "control-plane": _control_plane,
+    }
     return handlers[args.command](args)
 
 
