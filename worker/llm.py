@@ -77,7 +77,7 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them (the tokenizer's chat template)."""
+        """Replies to one conversation or a list of them, via the tokenizer's chat template."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         return self.generate([{"messages": c} for c in convs], params, use_tqdm)  # type: ignore[misc]
 

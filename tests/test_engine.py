@@ -1,0 +1,249 @@
+"""The engine against transformers: greedy outputs token for token, under every scheduling stress.
+
+References come from the transformers model on the same checkpoint, decoding each prompt alone
+with its KV cache (no padding), so they share nothing with our code path.
+"""
+
+from __future__ import annotations
+
+import random
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedserve.params import SamplingParams
+from worker import LLM
+from worker.outputs import RequestRejected
+
+FAMILIES = ("llama", "mistral", "qwen2")
+
+
+@cache
+def _hf_model(model_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def hf_greedy(
+    model_dir: Path, prompt: list[int], n: int, repetition_penalty: float = 1.0
+) -> list[int]:
+    """Greedy continuation by transformers, EOS ignored."""
+    model = _hf_model(model_dir)
+    ids = torch.tensor([prompt])
+    out = model(ids, use_cache=True)
+    past, logits = out.past_key_values, out.logits[0, -1]
+    seen = list(prompt)
+    tokens: list[int] = []
+    for _ in range(n):
+        if repetition_penalty != 1.0:
+            logits = logits.clone()
+            idx = torch.tensor(sorted(set(seen)))
+            vals = logits[idx]
+            logits[idx] = torch.where(
+                vals > 0, vals / repetition_penalty, vals * repetition_penalty
+            )
+        t = int(torch.argmax(logits))
+        tokens.append(t)
+        seen.append(t)
+        out = model(torch.tensor([[t]]), past_key_values=past, use_cache=True)
+        past, logits = out.past_key_values, out.logits[0, -1]
+    return tokens
+
+
+def random_prompts(
+    seed: int, count: int, lo: int, hi: int, shared: list[int] | None = None
+) -> list[list[int]]:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(5, 500) for _ in range(rng.randint(lo, hi))] for _ in range(count)]
+    if shared:
+        prompts = [shared + p for p in prompts]
+    return prompts
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(
+    "options",
+    [
+        pytest.param(
+            {"block_size": 16, "num_kv_blocks": 128, "max_num_batched_tokens": 512}, id="roomy"
+        ),
+        pytest.param(
+            {"block_size": 8, "num_kv_blocks": 128, "max_num_batched_tokens": 24},
+            id="chunked-prefill",
+        ),
+        pytest.param(
+            {"block_size": 8, "num_kv_blocks": 22, "max_num_batched_tokens": 64}, id="preemption"
+        ),
+        pytest.param(
+            {"block_size": 32, "num_kv_blocks": 64, "enable_prefix_caching": False},
+            id="no-prefix-cache",
+        ),
+    ],
+)
+def test_greedy_matches_transformers(make_tiny_model, family: str, options: dict) -> None:
+    model_dir = make_tiny_model(family)
+    shared = random_prompts(99, 1, 40, 40)[0]  # a shared system prompt: prefix-cache hits
+    prompts = random_prompts(1, 6, 1, 70) + random_prompts(2, 4, 1, 20, shared=shared)
+    llm = LLM(model_dir, **options)
+    outs = llm.generate(prompts, GREEDY)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.error is None
+        assert out.outputs[0].token_ids == hf_greedy(model_dir, prompt, 12), (
+            f"prompt of {len(prompt)}"
+        )
+        assert out.outputs[0].finish_reason == "length"
+    stats = llm.engine.stats()
+    if options.get("num_kv_blocks") == 22:
+        assert stats.preemptions > 0, "the small pool must force preemptions"
+    if options.get("enable_prefix_caching", True):
+        assert stats.prefix_cache["hit_tokens"] > 0
+        assert sum(o.num_cached_tokens for o in outs) > 0
+    occ = llm.engine.occupancy()
+    assert occ.in_use == 0, "all blocks return to the pool"
+
+
+def test_repetition_penalty_matches_transformers(make_tiny_model) -> None:
+    model_dir = make_tiny_model("llama")
+    prompts = random_prompts(5, 3, 3, 30)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, repetition_penalty=1.5)
+    outs = LLM(model_dir, num_kv_blocks=64).generate(prompts, params)
+    for p, o in zip(prompts, outs, strict=True):
+        assert o.outputs[0].token_ids == hf_greedy(model_dir, p, 10, repetition_penalty=1.5)
+
+
+def test_seeded_sampling_ignores_batch_neighbours(make_tiny_model) -> None:
+    model_dir = make_tiny_model("llama")
+    prompt = random_prompts(7, 1, 10, 10)[0]
+    params = SamplingParams(
+        temperature=1.0, top_p=0.9, top_k=50, max_tokens=16, seed=1234, ignore_eos=True
+    )
+    alone = LLM(model_dir, num_kv_blocks=64).generate([prompt], params)[0].outputs[0].token_ids
+    crowd = random_prompts(8, 7, 5, 60)
+    other = SamplingParams(temperature=0.8, max_tokens=20, ignore_eos=True)
+    outs = LLM(model_dir, num_kv_blocks=64).generate(
+        [*crowd[:3], prompt, *crowd[3:]], [other] * 3 + [params] + [other] * 4
+    )
+    assert outs[3].outputs[0].token_ids == alone
+
+
+def test_parallel_sampling_shares_the_prompt_copy_on_write(make_tiny_model) -> None:
+    """Completion i of an n=3 request equals an n=1 request seeded seed+i: the forked children
+    read the shared prompt blocks and their private copies correctly."""
+    model_dir = make_tiny_model("qwen2")
+    prompt = random_prompts(11, 1, 21, 21)[0]  # ends mid-block: the partial block is shared
+    llm = LLM(model_dir, num_kv_blocks=64, block_size=8)
+    base = dict(temperature=1.0, max_tokens=10, ignore_eos=True)
+    multi = llm.generate([prompt], SamplingParams(n=3, seed=40, **base))[0]
+    assert [c.index for c in multi.outputs] == [0, 1, 2]
+    singles = llm.generate([prompt] * 3, [SamplingParams(seed=40 + i, **base) for i in range(3)])
+    for i in range(3):
+        assert multi.outputs[i].token_ids == singles[i].outputs[0].token_ids
+    assert len({tuple(c.token_ids) for c in multi.outputs}) > 1
+    greedy = llm.generate(
+        [prompt], SamplingParams(n=2, temperature=0, max_tokens=10, ignore_eos=True)
+    )[0]
+    ref = hf_greedy(model_dir, prompt, 10)
+    assert [c.token_ids for c in greedy.outputs] == [ref, ref]
+    assert llm.engine.occupancy().in_use == 0
+
+
+def test_stop_strings_end_the_text_and_never_appear(make_tiny_model) -> None:
+    model_dir = make_tiny_model("llama")
+    llm = LLM(model_dir, num_kv_blocks=64)
+    prompt = "def main():"
+    full = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
+    text = full.outputs[0].text
+    assert len(text) > 12
+    stop = text[6:9]
+    cut = text.index(stop)
+    engine = llm.engine
+    engine.add_request(
+        "s", prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop])
+    )
+    deltas, final = [], None
+    while engine.has_unfinished():
+        for out in engine.step():
+            deltas.append(out.outputs[0].text_delta)
+            final = out
+    assert final is not None and final.finished
+    comp = final.outputs[0]
+    assert comp.finish_reason == "stop"
+    assert comp.text == text[:cut]
+    assert "".join(deltas) == comp.text
+    assert all(stop not in d for d in deltas)
+
+
+def test_stop_token_ids_and_eos(make_tiny_model) -> None:
+    model_dir = make_tiny_model("llama")
+    llm = LLM(model_dir, num_kv_blocks=64)
+    prompt = random_prompts(3, 1, 8, 8)[0]
+    ref = hf_greedy(model_dir, prompt, 10)
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[ref[4]])
+    )[0]
+    first = ref.index(ref[4])
+    assert out.outputs[0].token_ids == ref[: first + 1] and out.outputs[0].finish_reason == "stop"
+
+
+def test_logprobs_are_the_models(make_tiny_model) -> None:
+    model_dir = make_tiny_model("llama")
+    prompt = random_prompts(4, 1, 9, 9)[0]
+    out = LLM(model_dir, num_kv_blocks=64).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2)
+    )[0]
+    lps = out.outputs[0].logprobs
+    assert lps is not None and len(lps) == 3
+    with torch.inference_mode():
+        ref = torch.log_softmax(_hf_model(model_dir)(torch.tensor([prompt])).logits[0, -1], -1)
+    assert lps[0].token_id == int(torch.argmax(ref))
+    assert lps[0].logprob == pytest.approx(float(ref.max()), abs=1e-4)
+    assert len(lps[0].top) == 2 and max(lps[0].top.values()) == pytest.approx(lps[0].logprob)
+
+
+def test_bad_requests_fail_alone(make_tiny_model) -> None:
+    model_dir = make_tiny_model("llama")
+    llm = LLM(model_dir, num_kv_blocks=16, block_size=8, max_model_len=256)
+    good = random_prompts(6, 2, 5, 10)
+    outs = llm.generate([good[0], list(range(300)), [10**6], good[1]], GREEDY)
+    assert outs[0].error is None and outs[3].error is None
+    assert "context length" in (outs[1].error or "")
+    assert "token ids must be integers" in (outs[2].error or "")
+    with pytest.raises(RequestRejected, match="can never fit"):
+        LLM(model_dir, num_kv_blocks=2, block_size=8).engine.add_request(
+            "x", list(range(5, 40)), GREEDY
+        )
+
+
+def test_chat_and_multibyte_text(make_tiny_model) -> None:
+    model_dir = make_tiny_model("qwen2")
+    llm = LLM(model_dir, num_kv_blocks=64)
+    out = llm.chat(
+        [{"role": "user", "content": "Grüß dich, 日本語!"}],
+        SamplingParams(temperature=0, max_tokens=5),
+    )[0]
+    assert out.error is None and out.prompt and "<|im_start|>" in out.prompt
+    # Incremental deltas over a multi-byte text never split a character.
+    from worker.detokenizer import IncrementalDetokenizer
+
+    tok = llm.tokenizer
+    text = "Grüß dich, 日本語 — ça va? ✓"
+    ids = tok.encode(text, add_special_tokens=False)
+    det = IncrementalDetokenizer(tok, [])
+    parts = [det.add([t])[0] for t in ids]
+    parts.append(det.flush())
+    assert "".join(parts) == text
+    assert all("\ufffd" not in p for p in parts)
+
+
+def test_bfloat16_runs_on_cpu(make_tiny_model) -> None:
+    model_dir = make_tiny_model("llama")
+    prompts = random_prompts(9, 3, 4, 30)
+    outs = LLM(model_dir, num_kv_blocks=64, dtype="bfloat16").generate(prompts, GREEDY)
+    assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
