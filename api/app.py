@@ -40,7 +40,7 @@ def create_app(config: ApiConfig | Mapping[str, Any] | None = None) -> Flask:
 
 
 def _register_blueprints(app: Flask) -> None:
-    from api import dashboard, jobs, metrics, openapi, status
+    from api import dashboard, jobs, metrics, openai_batches, openapi, status
 
     for bp in (
         status.health,
@@ -49,11 +49,6 @@ def _register_blueprints(app: Flask) -> None:
         metrics.bp,
         openapi.bp,
         dashboard.bp,
+        openai_batches.bp,
     ):
         app.register_blueprint(bp)
-    try:
-        from api import openai_batches
-    except ImportError as e:  # pagedserve.batches not there yet
-        app.logger.warning("files and batches endpoints disabled: %s", e)
-    else:
-        app.register_blueprint(openai_batches.bp)

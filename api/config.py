@@ -28,8 +28,10 @@ class ApiConfig:
     prefix: str = "ps"
     #: Accepted bearer tokens; empty: no authentication.
     api_keys: tuple[str, ...] = ()
-    #: Largest request body (file uploads); Flask answers 413 above it.
-    max_content_length: int = 200 * MIB
+    #: Largest request body (file uploads, with multipart overhead); Flask answers 413 above it.
+    max_content_length: int = 65 * MIB
+    #: Largest uploaded batch file (files live in Redis memory).
+    max_file_bytes: int = 64 * MIB
     #: Largest body of every endpoint other than file uploads.
     max_json_bytes: int = 1 * MIB
     #: A heartbeat older than this (Redis clock) does not count for /readyz.

@@ -51,6 +51,8 @@ class AppState:
     r: redis.Redis
     store: JobStore
     memory: StepMemory = field(default_factory=StepMemory)
+    #: Lazily built helpers (batch store, Celery app for sending tasks).
+    extras: dict[str, Any] = field(default_factory=dict)
 
     def redis_now(self) -> float:
         sec, usec = self.r.time()

@@ -1,0 +1,198 @@
+"""OpenAI-compatible files and batches (``/v1/files``, ``/v1/batches``) over
+:mod:`pagedserve.batches`; creating a batch sends the ``batches.fan_out`` Celery task by name.
+
+Uploads are checked line by line at once: a file whose lines are not batch requests at all
+(invalid JSON, missing ``custom_id``, wrong ``method``/``url``, duplicate ids) is refused with
+400; lines that are well formed but carry an invalid request (e.g. a bad ``temperature``) are
+accepted and reported in the batch's error file, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from typing import Any
+
+from flask import Blueprint, Response, request
+from pydantic import BaseModel, ConfigDict, Field
+
+from api.errors import ApiError, json_body
+from api.state import AppState, get_state
+from pagedserve.batches import BatchStore, FileObject, parse_window
+from pagedserve.openai_format import ENDPOINTS, parse_file
+
+bp = Blueprint("openai", __name__)
+
+ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+#: Upload errors listed in a 400 answer (the rest are counted).
+MAX_LISTED_ERRORS = 5
+
+_celery_lock = threading.Lock()
+
+
+class BatchCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    input_file_id: str = Field(min_length=1, max_length=128)
+    endpoint: str
+    completion_window: str = "24h"
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+
+
+def batches(state: AppState) -> BatchStore:
+    store = state.extras.get("batches")
+    if store is None:
+        store = BatchStore(
+            state.store, prefix=state.config.prefix, max_file_bytes=state.config.max_file_bytes
+        )
+        state.extras["batches"] = store
+    return store
+
+
+def send_fan_out(state: AppState, batch_id: str) -> None:
+    """Send ``batches.fan_out`` by name (no running Celery worker needed to send)."""
+    with _celery_lock:
+        app = state.extras.get("celery")
+        if app is None:
+            from pagedserve.celery_app import make_app
+
+            app = make_app(state.config.redis_url)
+            state.extras["celery"] = app
+    app.send_task("batches.fan_out", args=[batch_id])
+
+
+def check_id(kind: str, value: str) -> str:
+    if not ID_RE.match(value):
+        raise ApiError(404, f"{kind} {value[:140]!r} not found", f"{kind}_not_found")
+    return value
+
+
+def file_json(f: FileObject) -> dict[str, Any]:
+    return {**f.model_dump(), "status": "processed", "expires_at": None, "status_details": None}
+
+
+# ----------------------------------------------------------------------------- files
+def _upload_errors(text: str, known_models: list[str]) -> None:
+    parsed = parse_file(text, known_models=known_models)
+    errs = parsed.format_errors
+    if not errs:
+        return
+    listed = "; ".join(f"line {e.line}: {e.code}: {e.message}" for e in errs[:MAX_LISTED_ERRORS])
+    more = f" (and {len(errs) - MAX_LISTED_ERRORS} more)" if len(errs) > MAX_LISTED_ERRORS else ""
+    raise ApiError(400, f"invalid batch file: {listed}{more}", "invalid_batch_file", "file")
+
+
+@bp.post("/v1/files")
+def upload_file() -> dict[str, Any]:
+    if request.mimetype != "multipart/form-data":
+        raise ApiError(415, "upload a file as multipart/form-data with fields 'file' and 'purpose'")
+    purpose = request.form.get("purpose")
+    if purpose != "batch":
+        raise ApiError(
+            400, f"'purpose' must be 'batch', got {purpose!r}", "invalid_purpose", "purpose"
+        )
+    upload = request.files.get("file")
+    if upload is None:
+        raise ApiError(400, "missing the 'file' part", "missing_file", "file")
+    data = upload.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(
+            400, f"the file is not UTF-8 text: {e}", "invalid_batch_file", "file"
+        ) from None
+    store = batches(get_state())
+    _upload_errors(text, store.known_models)
+    try:
+        f = store.files.create(data, upload.filename or "upload.jsonl", purpose="batch")
+    except ValueError as e:
+        raise ApiError(400, str(e), "invalid_file", "file") from None
+    return file_json(f)
+
+
+@bp.get("/v1/files/<file_id>")
+def get_file(file_id: str) -> dict[str, Any]:
+    f = batches(get_state()).files.get(check_id("file", file_id))
+    if f is None:
+        raise ApiError(404, f"file {file_id!r} not found", "file_not_found")
+    return file_json(f)
+
+
+@bp.get("/v1/files/<file_id>/content")
+def file_content(file_id: str) -> Response:
+    text = batches(get_state()).files.content(check_id("file", file_id))
+    if text is None:
+        raise ApiError(404, f"file {file_id!r} not found", "file_not_found")
+    return Response(text, mimetype="application/jsonl")
+
+
+# ----------------------------------------------------------------------------- batches
+def batch_json(store: BatchStore, batch_id: str) -> dict[str, Any]:
+    b = store.get(batch_id)
+    if b is None:
+        raise ApiError(404, f"batch {batch_id!r} not found", "batch_not_found")
+    return b.model_dump(mode="json")
+
+
+@bp.post("/v1/batches")
+def create_batch() -> dict[str, Any]:
+    body = BatchCreate.model_validate(json_body(request))
+    if body.endpoint not in ENDPOINTS:
+        raise ApiError(
+            400, f"'endpoint' must be one of {list(ENDPOINTS)}, got {body.endpoint!r}",
+            "invalid_endpoint", "endpoint",
+        )  # fmt: skip
+    try:
+        parse_window(body.completion_window)
+    except ValueError as e:
+        raise ApiError(400, str(e), "invalid_completion_window", "completion_window") from None
+    state = get_state()
+    store = batches(state)
+    check_id("file", body.input_file_id)
+    try:
+        b = store.create(body.input_file_id, body.endpoint, body.completion_window, body.metadata)
+    except KeyError:
+        raise ApiError(
+            404, f"file {body.input_file_id!r} not found", "file_not_found", "input_file_id"
+        ) from None
+    except ValueError as e:
+        raise ApiError(400, str(e), "invalid_input_file", "input_file_id") from None
+    send_fan_out(state, b.id)
+    return b.model_dump(mode="json")
+
+
+@bp.get("/v1/batches/<batch_id>")
+def get_batch(batch_id: str) -> dict[str, Any]:
+    return batch_json(batches(get_state()), check_id("batch", batch_id))
+
+
+def _limit() -> int:
+    raw = request.args.get("limit", "20")
+    try:
+        limit = int(raw)
+    except ValueError:
+        raise ApiError(400, f"'limit' must be an integer, got {raw!r}", param="limit") from None
+    if not 1 <= limit <= 100:
+        raise ApiError(400, f"'limit' must be between 1 and 100, got {limit}", param="limit")
+    return limit
+
+
+@bp.get("/v1/batches")
+def list_batches() -> dict[str, Any]:
+    limit = _limit()
+    after = request.args.get("after") or None
+    try:
+        return batches(get_state()).list(after=after, limit=limit)
+    except KeyError:
+        raise ApiError(
+            404, f"batch {after!r} (after) not found", "batch_not_found", "after"
+        ) from None
+
+
+@bp.post("/v1/batches/<batch_id>/cancel")
+def cancel_batch(batch_id: str) -> dict[str, Any]:
+    store = batches(get_state())
+    b = store.cancel(check_id("batch", batch_id))
+    if b is None:
+        raise ApiError(404, f"batch {batch_id!r} not found", "batch_not_found")
+    return b.model_dump(mode="json")
