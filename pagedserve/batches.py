@@ -323,12 +323,13 @@ class BatchStore:
                 return False
             key = self.keys.batch(batch_id)
             pipe.hset(key, "total", parsed.total)
-            pipe.delete(self.jobs_key(batch_id), errors_key)
+            pipe.delete(self.jobs_key(batch_id))
             if job_ids:
                 pipe.rpush(self.jobs_key(batch_id), *job_ids)
+            # Runs once (status guard); jobs may already be appending lines and counting: add.
             if err_lines:
                 pipe.rpush(errors_key, *err_lines)
-            pipe.hset(key, "failed", len(err_lines))
+                pipe.hincrby(key, "failed", len(err_lines))
             if cur.status == "validating":
                 cur.status = "in_progress"
                 cur.in_progress_at = self._now()
