@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from flask import Flask
 from flask.testing import FlaskClient
 from prometheus_client.parser import text_string_to_metric_families
+from werkzeug.serving import make_server
 
+from pagedserve.batches import BatchStore
+from pagedserve.redis_util import connect
 from pagedserve.schemas import Completion, JobResult
 from pagedserve.store import JobStore, Lease
 from tests.api_fixtures import BLOCK_STATES, heartbeat, make_app, publish
@@ -292,3 +298,104 @@ def test_api_imports_without_torch(tmp_path) -> None:
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+# ----------------------------------------------------------------------------- files, batches
+def batch_line(cid: str, content: str = "hi", **body: Any) -> str:
+    b = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 4}
+    b.update(body)
+    line = {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": b}
+    return json.dumps(line)
+
+
+def upload(client: FlaskClient, text: str, purpose: str = "batch") -> Any:
+    data = {"purpose": purpose, "file": (io.BytesIO(text.encode()), "in.jsonl")}
+    return client.post("/v1/files", data=data, content_type="multipart/form-data")
+
+
+def test_files_and_batches(client: FlaskClient, redis_url: str) -> None:
+    text = "\n".join([batch_line("a"), batch_line("b", temperature=-1), batch_line("c")]) + "\n"
+    resp = upload(client, text)
+    assert resp.status_code == 200, resp.get_json()
+    f = resp.get_json()
+    assert f["object"] == "file" and f["purpose"] == "batch" and f["bytes"] == len(text)
+    assert client.get(f"/v1/files/{f['id']}").get_json()["filename"] == "in.jsonl"
+    content = client.get(f"/v1/files/{f['id']}/content")
+    assert content.get_data(as_text=True) == text
+
+    r = connect(redis_url)
+    queued_before = r.llen("celery")
+    resp = client.post(
+        "/v1/batches",
+        json={
+            "input_file_id": f["id"],
+            "endpoint": "/v1/chat/completions",
+            "completion_window": "24h",
+            "metadata": {"run": "7"},
+        },
+    )
+    assert resp.status_code == 200, resp.get_json()
+    b = resp.get_json()
+    assert b["object"] == "batch" and b["status"] == "validating" and b["metadata"] == {"run": "7"}
+    # The fan-out task was sent to the broker by name (no Celery worker runs here).
+    assert r.llen("celery") == queued_before + 1
+    msg = json.loads(r.lindex("celery", 0))
+    assert msg["headers"]["task"] == "batches.fan_out" and msg["headers"]["argsrepr"] == repr(
+        [b["id"]]
+    )
+    # Run what that task runs, then read the batch back through the API.
+    BatchStore(JobStore(redis_url)).fan_out(b["id"])
+    got = client.get(f"/v1/batches/{b['id']}").get_json()
+    assert got["status"] == "in_progress"
+    assert got["request_counts"] == {"total": 3, "completed": 0, "failed": 1}
+    assert JobStore(redis_url).queue_lengths()["bulk"] == 2
+
+    resp = client.post(f"/v1/batches/{b['id']}/cancel")
+    assert resp.status_code == 200 and resp.get_json()["status"] == "cancelled"
+
+
+def test_batches_list_pagination(client: FlaskClient) -> None:
+    fid = upload(client, batch_line("x") + "\n").get_json()["id"]
+    body = {"input_file_id": fid, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+    ids = [client.post("/v1/batches", json=body).get_json()["id"] for _ in range(5)]
+    page1 = client.get("/v1/batches?limit=2").get_json()
+    assert [x["id"] for x in page1["data"]] == ids[::-1][:2] and page1["has_more"]
+    page2 = client.get(f"/v1/batches?limit=2&after={page1['last_id']}").get_json()
+    assert [x["id"] for x in page2["data"]] == ids[::-1][2:4] and page2["has_more"]
+    page3 = client.get(f"/v1/batches?limit=2&after={page2['last_id']}").get_json()
+    assert [x["id"] for x in page3["data"]] == ids[:1] and not page3["has_more"]
+
+
+@pytest.fixture
+def live_server(app: Flask) -> Iterator[str]:
+    server = make_server("127.0.0.1", 0, app, threaded=True)
+    t = threading.Thread(target=server.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}/v1"
+    finally:
+        server.shutdown()
+        t.join(5)
+
+
+def test_official_openai_client(live_server: str, tmp_path: Path) -> None:
+    openai = pytest.importorskip("openai", reason="pip install openai to test the official client")
+    oa = openai.OpenAI(base_url=live_server, api_key="unused", max_retries=0)
+    path = tmp_path / "in.jsonl"
+    path.write_text(batch_line("q1") + "\n" + batch_line("q2") + "\n")
+    f = oa.files.create(file=path.open("rb"), purpose="batch")
+    assert f.id.startswith("file-") and f.purpose == "batch"
+    assert oa.files.retrieve(f.id).bytes == path.stat().st_size
+    assert oa.files.content(f.id).text == path.read_text()
+    b = oa.batches.create(
+        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    assert b.status == "validating" and b.input_file_id == f.id
+    assert oa.batches.retrieve(b.id).id == b.id
+    assert [x.id for x in oa.batches.list(limit=10).data] == [b.id]
+    assert oa.batches.cancel(b.id).status in ("cancelling", "cancelled")
+    with pytest.raises(openai.NotFoundError) as e:
+        oa.batches.retrieve("batch_missing")
+    assert "not found" in str(e.value)
+    with pytest.raises(openai.BadRequestError):
+        oa.files.create(file=io.BytesIO(b"not json\n"), purpose="batch")
