@@ -1,0 +1,184 @@
+"""The Redis worker end to end: Client -> redis-server -> real worker processes -> results."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from pagedserve.client import Client
+from pagedserve.params import SamplingParams
+from pagedserve.schemas import JobStatus
+from tests.fixtures.workers import (
+    TEST_WORKER_ARGS,
+    StartWorker,
+    start_worker_fixture,  # noqa: F401 (until conftest registers it)
+)
+from worker.engine import Engine
+from worker.outputs import EngineConfig
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+PROMPTS: list[str | list[int]] = [
+    "The quick brown fox",
+    "def main():",
+    [5, 17, 99, 200, 3, 42],
+    "Once upon a time, in a land far away, there lived",
+    [7] * 40,
+    "import os",
+]
+
+
+@pytest.fixture
+def model_dir(make_tiny_model) -> Path:  # type: ignore[no-untyped-def]
+    return make_tiny_model("llama")
+
+
+def offline(model_dir: Path, prompts: list[str | list[int]], params: SamplingParams) -> list:
+    """The offline engine's outputs for the same prompts (same options as the test worker)."""
+    eng = Engine(model_dir, EngineConfig(num_kv_blocks=256, max_model_len=512, num_threads=1))
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), p, params)
+    done = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[str(i)] for i in range(len(prompts))]
+
+
+def heartbeat(client: Client, worker_id: str) -> dict:
+    return client.store.workers().get(worker_id, {})
+
+
+def wait_for(cond, timeout: float = 30.0, what: str = "condition"):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_results_equal_offline_greedy_and_stream(
+    redis_url: str, model_dir: Path, start_worker: StartWorker
+) -> None:
+    start_worker(redis_url, model_dir, "w1")
+    client = Client(redis_url)
+    ids = client.submit_many(PROMPTS, GREEDY)
+    recs = client.wait_many(ids, timeout=60)
+    expected = offline(model_dir, PROMPTS, GREEDY)
+    for rec, exp in zip(recs, expected, strict=True):
+        assert rec.status == JobStatus.SUCCEEDED, rec.error
+        assert rec.result is not None and rec.worker == "w1"
+        comp = rec.result.completions[0]
+        assert comp.token_ids == exp.outputs[0].token_ids
+        assert comp.text == exp.outputs[0].text
+        assert comp.finish_reason == "length"
+        assert rec.result.prompt_tokens == len(exp.prompt_token_ids)
+        assert rec.result.completion_tokens == 12 == rec.tokens_generated
+        assert rec.first_token_at is not None and rec.started_at is not None
+
+    # Streaming: the deltas of a longer job concatenate to its final text and token ids.
+    jid = client.submit("Streaming test:", {"max_tokens": 64, "temperature": 0, "ignore_eos": True})
+    events = list(client.stream(jid, timeout=60))
+    assert events[-1].type == "end" and events[-1].status == JobStatus.SUCCEEDED
+    deltas = [e for e in events if e.type == "delta"]
+    assert len(deltas) >= 2
+    rec = client.get(jid)
+    assert rec is not None and rec.result is not None
+    assert "".join(e.text for e in deltas) == rec.result.completions[0].text
+    assert [t for e in deltas for t in e.token_ids] == rec.result.completions[0].token_ids
+    assert deltas[-1].tokens_generated == 64
+
+    # Chat messages and n > 1 with logprobs go through as well.
+    chat = client.submit(
+        [{"role": "user", "content": "hi"}],
+        {"max_tokens": 5, "n": 2, "temperature": 0.8, "seed": 1, "logprobs": 2},
+    )
+    rec = client.wait(chat, timeout=30)
+    assert rec.status == JobStatus.SUCCEEDED and rec.result is not None
+    assert [c.index for c in rec.result.completions] == [0, 1]
+    for c in rec.result.completions:
+        assert c.logprobs is not None and len(c.logprobs) == len(c.token_ids)
+
+
+def test_interactive_before_bulk(
+    redis_url: str, model_dir: Path, start_worker: StartWorker
+) -> None:
+    client = Client(redis_url)
+    params = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    bulk = client.submit_many([f"bulk {i}" for i in range(8)], params, priority="bulk")
+    inter = client.submit_many([f"interactive {i}" for i in range(8)], params)
+    start_worker(redis_url, model_dir, "w1", "--max-num-seqs", "2")
+    recs = {r.id: r for r in client.wait_many(bulk + inter, timeout=60)}
+    assert all(r.status == JobStatus.SUCCEEDED for r in recs.values())
+    last_interactive = max(recs[j].started_at or 0 for j in inter)
+    first_bulk = min(recs[j].started_at or 0 for j in bulk)
+    assert last_interactive <= first_bulk
+
+
+def test_two_workers_share_the_queue(
+    redis_url: str, model_dir: Path, start_worker: StartWorker
+) -> None:
+    start_worker(redis_url, model_dir, "a")
+    start_worker(redis_url, model_dir, "b")
+    client = Client(redis_url)
+    params = {"max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    ids = client.submit_many([f"job {i}" for i in range(60)], params, priority="bulk")
+    recs = client.wait_many(ids, timeout=90)
+    assert all(r.status == JobStatus.SUCCEEDED for r in recs)
+    by_worker = {w: sum(r.worker == w for r in recs) for w in ("a", "b")}
+    assert by_worker["a"] > 0 and by_worker["b"] > 0, by_worker
+    assert by_worker["a"] + by_worker["b"] == 60
+
+
+def test_cancel_mid_generation_frees_blocks(
+    redis_url: str, model_dir: Path, start_worker: StartWorker
+) -> None:
+    start_worker(redis_url, model_dir, "w1", "--max-model-len", "2048")
+    client = Client(redis_url)
+    jid = client.submit([3] * 100, {"max_tokens": 1900, "temperature": 0, "ignore_eos": True})
+    wait_for(lambda: (r := client.get(jid)) and r.tokens_generated > 0, what="first tokens")
+    wait_for(
+        lambda: (heartbeat(client, "w1").get("pool") or {}).get("in_use", 0) > 0,
+        what="blocks in use in the heartbeat",
+    )
+    assert client.cancel(jid) in (JobStatus.CANCELLING, JobStatus.CANCELLED)
+    rec = client.wait(jid, timeout=30)
+    assert rec.status == JobStatus.CANCELLED
+    assert rec.result is not None and 0 < rec.result.completion_tokens < 1900
+    assert rec.result.completions[0].finish_reason == "abort"
+    hb = wait_for(
+        lambda: (h := heartbeat(client, "w1")) and h["pool"]["in_use"] == 0 and not h["jobs"] and h,
+        what="the pool to have no blocks in use",
+    )
+    assert "1" not in hb["pool"]["block_states"]
+    assert hb["jobs_finished"].get("cancelled") == 1
+    # The worker goes on serving.
+    nxt = client.submit("after the cancel", {"max_tokens": 4, "temperature": 0})
+    assert client.wait(nxt, timeout=30).status == JobStatus.SUCCEEDED
+
+
+def test_heartbeat_contents(redis_url: str, model_dir: Path, start_worker: StartWorker) -> None:
+    from pagedserve.telemetry import WorkerHeartbeat
+
+    start_worker(redis_url, model_dir, "w1")
+    client = Client(redis_url)
+    ids = client.submit_many([f"x{i}" for i in range(5)], {"max_tokens": 8, "temperature": 0})
+    client.wait_many(ids, timeout=30)
+    hb = wait_for(
+        lambda: (
+            (h := WorkerHeartbeat.parse_published(heartbeat(client, "w1")))
+            and h.e2e_request_latency_seconds.count == 5
+            and h
+        ),
+        what="a heartbeat with 5 finished jobs",
+    )
+    assert hb.model == model_dir.name and hb.state == "serving"
+    assert hb.time_to_first_token_seconds.count == 5
+    assert hb.tokens_generated >= 5 and hb.steps > 0
+    assert hb.pool is not None and len(hb.pool.block_states) == hb.pool.num_blocks == 256
+    assert hb.jobs_finished == {"succeeded": 5}
+    assert TEST_WORKER_ARGS  # the fixture's options are what the offline comparison mirrors
