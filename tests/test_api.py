@@ -399,3 +399,29 @@ def test_official_openai_client(live_server: str, tmp_path: Path) -> None:
     assert "not found" in str(e.value)
     with pytest.raises(openai.BadRequestError):
         oa.files.create(file=io.BytesIO(b"not json\n"), purpose="batch")
+
+
+def test_pagedserve_api_runs_gunicorn(redis_url: str) -> None:
+    import socket
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "pagedserve", "--redis", redis_url, "api", "--port", str(port),
+           "--workers", "1", "--threads", "2"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        body = None
+        for _ in range(100):
+            try:
+                url = f"http://127.0.0.1:{port}/healthz"
+                body = urllib.request.urlopen(url, timeout=1).read()
+                break
+            except OSError:
+                time.sleep(0.1)
+        assert body is not None and json.loads(body) == {"status": "ok"}
+    finally:
+        proc.terminate()
+        out = proc.communicate(timeout=20)[0].decode()
+    assert "gthread" in out
