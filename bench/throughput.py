@@ -1,0 +1,338 @@
+"""Offline throughput: our engine against transformers (static, continuous batching) and vLLM-CPU.
+
+Each system runs in its own fresh subprocess (``bench/peers/``) on the same checkpoint and the same
+token-id prompts (passed through a JSON file), warmed up, timed around the whole generate, with
+``ignore_eos``, greedy decoding and per-request ``max_tokens``; tok/s counts only requested output
+tokens. MFU = 2 x non-embedding params x (prompt + output tokens) / wall / peak, with the peak fp32
+matmul FLOP/s measured in the same run on the same thread count. Prints one JSON line.
+
+    python -m bench.throughput [--preset quick|full] [--workload mixed|uniform|shared-prefix|all]
+        [--model DIR] [--vllm-python PATH] [--systems ours,hf-static,hf-cb,vllm] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.common import emit
+
+REPO = Path(__file__).resolve().parent.parent
+PEER_MODULES = {
+    "ours": "bench.peers.ours",
+    "hf-static": "bench.peers.hf_static",
+    "hf-cb": "bench.peers.hf_cb",
+}
+VLLM_SCRIPT = REPO / "bench" / "peers" / "vllm_peer.py"
+ALL_SYSTEMS = ("ours", "hf-static", "hf-cb", "vllm")
+WORKLOADS = ("mixed", "uniform", "shared-prefix")
+
+# PEERS.md, measured on this kind of machine (2 cores, fp32) with the full workload sizes.
+PEERS_REFERENCE = {
+    "peak_gflops": 315,
+    "mixed": {"hf-static": 168, "hf-cb": 145, "vllm-bound": 637, "vllm-default": 420},
+    "uniform": {"hf-static": 669, "hf-cb": 250, "vllm-bound": 1040, "vllm-default": 691},
+    "mfu_pct": {
+        "mixed": {"hf-static": 8.7, "hf-cb": 7.5, "vllm-bound": 33, "vllm-default": 22},
+        "uniform": {"hf-static": 23, "hf-cb": 8.6, "vllm-bound": 36, "vllm-default": 24},
+    },
+}
+
+
+@dataclass(frozen=True)
+class Preset:
+    mixed_requests: int
+    uniform_requests: int
+    shared_requests: int
+    static_batch_sizes: tuple[int, ...]
+
+
+PRESETS = {
+    "quick": Preset(24, 24, 32, (8,)),
+    "full": Preset(96, 96, 96, (8, 16, 32)),
+}
+
+
+@dataclass
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    max_tokens: list[int]
+    max_model_len: int
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.max_tokens)
+
+
+# ------------------------------------------------------------------------------- workloads
+def random_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(8, vocab) for _ in range(n)]  # skip the special tokens at the bottom
+
+
+def make_mixed(n: int, vocab: int, seed: int) -> Workload:
+    rng = random.Random(seed)
+    prompts, outs = [], []
+    for _ in range(n):
+        prompts.append(random_ids(rng, rng.randint(16, 512), vocab))
+        outs.append(rng.randint(16, 256))
+    return Workload("mixed", prompts, outs, 1024)
+
+
+def make_uniform(n: int, vocab: int, seed: int) -> Workload:
+    rng = random.Random(seed)
+    return Workload("uniform", [random_ids(rng, 128, vocab) for _ in range(n)], [128] * n, 1024)
+
+
+def make_shared_prefix(n: int, vocab: int, seed: int, prefix_len: int = 1024) -> Workload:
+    rng = random.Random(seed)
+    system = random_ids(rng, prefix_len, vocab)
+    prompts = [system + random_ids(rng, rng.randint(16, 64), vocab) for _ in range(n)]
+    return Workload("shared-prefix", prompts, [32] * n, 2048)
+
+
+def make_workload(name: str, preset: Preset, vocab: int, seed: int) -> Workload:
+    if name == "mixed":
+        return make_mixed(preset.mixed_requests, vocab, seed)
+    if name == "uniform":
+        return make_uniform(preset.uniform_requests, vocab, seed)
+    return make_shared_prefix(preset.shared_requests, vocab, seed)
+
+
+# ----------------------------------------------------------------------------- checkpoint
+def model_numbers(model_dir: Path) -> tuple[int, int]:
+    """(vocab size, non-embedding parameter count) from config.json and the safetensors header."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    total = embed = 0
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with path.open("rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            count = 1
+            for d in meta["shape"]:
+                count *= d
+            total += count
+            if name.endswith("embed_tokens.weight"):
+                embed += count
+    return int(cfg["vocab_size"]), total - embed
+
+
+def ensure_model(model: str | None, workdir: Path) -> Path:
+    if model:
+        return Path(model)
+    out = workdir / "bench-model"
+    cmd = [sys.executable, "-m", "pagedserve", "make-model", "--family", "llama"]
+    subprocess.run([*cmd, "--preset", "bench", "--out", str(out)], check=True, cwd=REPO,
+                   stdout=subprocess.DEVNULL)  # fmt: skip
+    return out
+
+
+# -------------------------------------------------------------------------------- running
+def child_env(threads: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        OMP_NUM_THREADS=str(threads),
+        MKL_NUM_THREADS=str(threads),
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONPATH=str(REPO),
+        TRANSFORMERS_VERBOSITY="error",
+    )
+    return env
+
+
+def vllm_env(threads: int) -> dict[str, str]:
+    env = child_env(threads)
+    env.pop("PYTHONPATH", None)
+    env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"
+    env["VLLM_CPU_KVCACHE_SPACE"] = "2"
+    return env
+
+
+def run_child(cmd: list[str], env: dict[str, str], out: Path, timeout: float) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0 or not out.exists():
+        tail = (proc.stderr or proc.stdout)[-1500:]
+        return {"ok": False, "error": f"exit {proc.returncode}: {tail}"}
+    result = json.loads(out.read_text())
+    result["process_s"] = round(time.perf_counter() - t0, 1)
+    return result
+
+
+def write_job(path: Path, model: Path, wl: Workload, threads: int, options: dict[str, Any]) -> None:
+    rng = random.Random(1234)
+    job = {
+        "model": str(model),
+        "prompts": wl.prompts,
+        "max_tokens": wl.max_tokens,
+        "threads": threads,
+        "warmup_prompt": random_ids(rng, 48, 64),
+        "options": {"max_model_len": wl.max_model_len, **options},
+    }
+    path.write_text(json.dumps(job))
+
+
+def run_system(
+    system: str, wl: Workload, ctx: dict[str, Any], options: dict[str, Any], tag: str
+) -> dict[str, Any]:
+    work: Path = ctx["workdir"]
+    job, out = work / f"{tag}.job.json", work / f"{tag}.result.json"
+    write_job(job, ctx["model"], wl, ctx["threads"], options)
+    if system == "vllm":
+        cmd, env = [ctx["vllm_python"], str(VLLM_SCRIPT)], vllm_env(ctx["threads"])
+    else:
+        cmd = [sys.executable, "-m", PEER_MODULES[system]]
+        env = child_env(ctx["threads"])
+    print(f"[throughput] {tag} ...", file=sys.stderr, flush=True)
+    result = run_child([*cmd, str(job), str(out)], env, out, ctx["timeout"])
+    return add_mfu(result, wl, ctx)
+
+
+def add_mfu(result: dict[str, Any], wl: Workload, ctx: dict[str, Any]) -> dict[str, Any]:
+    wall = result.get("wall_s")
+    if not wall:
+        return result
+    flops = 2 * ctx["params"] * (wl.prompt_tokens + wl.output_tokens) / wall
+    result["mfu_pct"] = round(100 * flops / (ctx["peak_gflops"] * 1e9), 1)
+    result["mfu_pct_vs_315"] = round(100 * flops / (PEERS_REFERENCE["peak_gflops"] * 1e9), 1)
+    return result
+
+
+def ratio(a: dict[str, Any] | None, b: dict[str, Any] | None) -> float | None:
+    if not a or not b or not a.get("output_tok_s") or not b.get("output_tok_s"):
+        return None
+    return round(a["output_tok_s"] / b["output_tok_s"], 2)
+
+
+def throughput_workload(wl: Workload, systems: list[str], ctx: dict[str, Any]) -> dict[str, Any]:
+    res: dict[str, Any] = {}
+    for system in systems:
+        opts: dict[str, Any] = {}
+        if system == "hf-static":
+            opts["batch_sizes"] = list(ctx["preset"].static_batch_sizes)
+        res[system] = run_system(system, wl, ctx, opts, f"{wl.name}-{system}")
+    ours = res.get("ours")
+    ratios = {f"ours/{s}": ratio(ours, res[s]) for s in systems if s != "ours"}
+    return {"systems": res, "ratios": ratios}
+
+
+def prefix_workload(wl: Workload, ctx: dict[str, Any]) -> dict[str, Any]:
+    on = run_system("ours", wl, ctx, {"enable_prefix_caching": True}, f"{wl.name}-ours-on")
+    off = run_system("ours", wl, ctx, {"enable_prefix_caching": False}, f"{wl.name}-ours-off")
+    return {
+        "systems": {"ours-prefix-on": on, "ours-prefix-off": off},
+        "ratios": {"prefix_on/off": ratio(on, off)},
+        "prefix_hit_rate": on.get("prefix_hit_rate"),
+    }
+
+
+def workload_summary(wl: Workload) -> dict[str, Any]:
+    return {
+        "requests": len(wl.prompts),
+        "prompt_tokens": wl.prompt_tokens,
+        "output_tokens": wl.output_tokens,
+        "max_model_len": wl.max_model_len,
+    }
+
+
+def measure_peak(ctx: dict[str, Any]) -> dict[str, Any]:
+    out = ctx["workdir"] / "peak.json"
+    cmd = [sys.executable, "-m", "bench.peers.peak", str(ctx["threads"]), str(out)]
+    return run_child(cmd, child_env(ctx["threads"]), out, 120)
+
+
+# ------------------------------------------------------------------------------------ main
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="quick")
+    ap.add_argument("--workload", choices=[*WORKLOADS, "all"], default=None,
+                    help="default: mixed and shared-prefix")  # fmt: skip
+    ap.add_argument("--model", help="checkpoint dir (default: build the bench preset)")
+    ap.add_argument("--vllm-python", help="interpreter of a venv with vllm-cpu installed")
+    ap.add_argument(
+        "--systems", default=None, help="comma list of ours,hf-static,hf-cb,vllm (default: all)"
+    )
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per subprocess")
+    return ap.parse_args(argv)
+
+
+def pick_systems(args: argparse.Namespace) -> list[str]:
+    if args.systems:
+        systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+        unknown = [s for s in systems if s not in ALL_SYSTEMS]
+        if unknown:
+            raise SystemExit(f"unknown systems: {unknown}; choose from {ALL_SYSTEMS}")
+    else:
+        systems = [s for s in ALL_SYSTEMS if s != "vllm" or args.vllm_python]
+    if "vllm" in systems and not args.vllm_python:
+        raise SystemExit("--systems vllm needs --vllm-python PATH (see bench/README.md)")
+    return systems
+
+
+def pick_workloads(args: argparse.Namespace) -> list[str]:
+    if args.workload == "all":
+        return list(WORKLOADS)
+    return [args.workload] if args.workload else ["mixed", "shared-prefix"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    systems = pick_systems(args)
+    preset = PRESETS[args.preset]
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="throughput-") as tmp:
+        workdir = Path(tmp)
+        model = ensure_model(args.model, workdir)
+        vocab, params = model_numbers(model)
+        ctx: dict[str, Any] = {
+            "workdir": workdir, "model": model, "threads": args.threads, "preset": preset,
+            "vllm_python": args.vllm_python, "timeout": args.timeout, "params": params,
+        }  # fmt: skip
+        peak = measure_peak(ctx)
+        ctx["peak_gflops"] = peak.get("peak_gflops") or PEERS_REFERENCE["peak_gflops"]
+        results: dict[str, Any] = {}
+        for name in pick_workloads(args):
+            wl = make_workload(name, preset, vocab, args.seed)
+            if name == "shared-prefix":
+                body = prefix_workload(wl, ctx) if "ours" in systems else {}
+            else:
+                body = throughput_workload(wl, systems, ctx)
+            results[name] = {**workload_summary(wl), **body}
+    emit(
+        "throughput",
+        {
+            "preset": args.preset,
+            "threads": args.threads,
+            "model": str(args.model or "bench preset (built)"),
+            "non_embedding_params": params,
+            "matmul_gflops": peak.get("gflops"),
+            "peak_gflops": ctx["peak_gflops"],
+            "workloads": results,
+            "peers_reference": PEERS_REFERENCE,
+            "total_s": round(time.perf_counter() - started, 1),
+            "note": "2 shared CPU cores: timings are noisy; run-to-run spread can be 10-30%",
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
