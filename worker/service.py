@@ -34,7 +34,7 @@ import redis
 from pydantic import ValidationError
 
 from pagedserve import openai_format
-from pagedserve.keys import GROUP
+from pagedserve.keys import GROUP, PRIORITIES
 from pagedserve.redis_util import default_url
 from pagedserve.schemas import Completion, JobRequest, JobResult
 from pagedserve.schemas import TokenLogprob as WireLogprob
@@ -98,6 +98,16 @@ class WorkerStore(JobStore):
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
         self.malformed: list[tuple[Lease, str]] = []
+
+    def own_pending_read(self, consumer: str) -> bool:
+        """Whether claims have re-read all of ``consumer``'s pending entries left by a previous
+        process. Until then the worker must not reclaim: XAUTOCLAIM would hand it those same
+        entries, and the pending re-read would then lease them a second time."""
+        return all(
+            (consumer, self.keys.stream(p)) in self._pending_cursor
+            and self._pending_cursor[(consumer, self.keys.stream(p))] is None
+            for p in PRIORITIES
+        )
 
     def _lease_entries(self, consumer: str, entries: Sequence[Entry]) -> list[Lease]:
         calls: list[Call] = []
@@ -393,7 +403,8 @@ class Worker:
                 lost = self._redis(self.store.renew, [s.lease for s in self.jobs.values()])
                 self.last_renew = now
                 self._drop_lost(lost)
-            if now - self.last_reclaim >= self.cfg.reclaim_interval_s:
+            own_done = self.store.own_pending_read(self.cfg.worker_id)
+            if own_done and now - self.last_reclaim >= self.cfg.reclaim_interval_s:
                 self.last_reclaim = now
                 cap = self._capacity()
                 if cap:

@@ -1,0 +1,234 @@
+"""The worker under faults: kill -9, Redis restarts, SIGTERM, poison jobs, malformed input."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from pagedserve.client import Client, new_job_id
+from pagedserve.schemas import JobRequest, JobStatus
+from pagedserve.store import JobStore
+from tests.fixtures.redis_server import RedisFactory
+from tests.fixtures.workers import (
+    StartWorker,
+    start_worker_fixture,  # noqa: F401 (until conftest registers it)
+)
+
+SHORT = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+LONG = {"max_tokens": 1900, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture
+def model_dir(make_tiny_model) -> Path:  # type: ignore[no-untyped-def]
+    return make_tiny_model("llama")
+
+
+def wait_for(cond, timeout: float = 30.0, what: str = "condition"):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def end_events(client: Client, job_id: str) -> list[dict[str, str]]:
+    return [f for _, f in client.r.xrange(client.keys.events(job_id)) if f["type"] == "end"]
+
+
+def test_kill9_mid_run_every_job_exactly_once(
+    redis_url: str, model_dir: Path, start_worker: StartWorker
+) -> None:
+    client = Client(redis_url)
+    ids = client.submit_many([f"job number {i}" for i in range(300)], SHORT, priority="bulk")
+    a = start_worker(redis_url, model_dir, "a", "--max-num-seqs", "32")
+    wait_for(
+        lambda: sum(s == JobStatus.SUCCEEDED for s in client.store.statuses(ids)) >= 60,
+        what="60 jobs done",
+    )
+    a.kill()
+    running = [j for j, s in zip(ids, client.store.statuses(ids), strict=True) if s == "running"]
+    assert running, "the kill should leave leased jobs behind"
+    start_worker(redis_url, model_dir, "b", "--max-num-seqs", "32")
+    recs = client.wait_many(ids, timeout=120)
+    assert [r.status for r in recs] == [JobStatus.SUCCEEDED] * 300
+    for r in recs:
+        assert r.result is not None and r.result.completion_tokens == 6 == r.tokens_generated
+        assert len(r.result.completions[0].token_ids) == 6
+        assert len(end_events(client, r.id)) == 1  # written once
+    assert {r.worker for r in recs} == {"a", "b"}
+    assert all(client.get(j).worker == "b" for j in running)  # type: ignore[union-attr]
+    assert not client.store.dead_letters()
+    assert client.r.xpending(client.keys.stream("bulk"), "workers")["pending"] == 0
+
+
+def test_redis_restart_with_aof_mid_run(
+    redis_factory: RedisFactory, model_dir: Path, start_worker: StartWorker
+) -> None:
+    server = redis_factory(aof=True)
+    client = Client(server.url)
+    ids = client.submit_many([f"survivor {i}" for i in range(80)], SHORT, priority="bulk")
+    start_worker(server.url, model_dir, "w", "--max-num-seqs", "8")
+    wait_for(
+        lambda: sum(s == JobStatus.SUCCEEDED for s in client.store.statuses(ids)) >= 10,
+        what="10 jobs done",
+    )
+    server.kill()
+    time.sleep(1.0)  # the worker keeps stepping and buffers its final writes
+    server.start()
+    client = Client(server.url)
+    recs = client.wait_many(ids, timeout=120)
+    assert [r.status for r in recs] == [JobStatus.SUCCEEDED] * 80
+    assert all(len(end_events(client, r.id)) == 1 for r in recs)
+
+
+def test_sigterm_drains_running_jobs(
+    redis_url: str, model_dir: Path, start_worker: StartWorker
+) -> None:
+    client = Client(redis_url)
+    w = start_worker(redis_url, model_dir, "w", "--grace-s", "30")
+    params = {"max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    ids = client.submit_many([f"drain {i}" for i in range(4)], params)
+    wait_for(lambda: all(s == "running" for s in client.store.statuses(ids)), what="running")
+    w.terminate()
+    queued_later = client.submit("submitted while draining", SHORT)
+    assert w.wait(timeout=60) == 0
+    recs = client.wait_many(ids, timeout=1)
+    assert all(r.status == JobStatus.SUCCEEDED for r in recs)
+    assert all(r.result and r.result.completion_tokens == 200 for r in recs)
+    assert client.status(queued_later) == JobStatus.QUEUED
+    assert "w" not in client.store.workers()
+
+
+def test_sigterm_past_grace_releases_to_the_queue(
+    redis_url: str, model_dir: Path, start_worker: StartWorker
+) -> None:
+    client = Client(redis_url)
+    w = start_worker(redis_url, model_dir, "w", "--grace-s", "0.3", "--max-model-len", "2048")
+    jid = client.submit([9] * 20, LONG)
+    wait_for(lambda: (r := client.get(jid)) and r.tokens_generated > 0, what="first tokens")
+    w.terminate()
+    assert w.wait(timeout=30) == 0
+    rec = client.get(jid)
+    assert rec is not None and rec.status == JobStatus.QUEUED and rec.tokens_generated == 0
+    start_worker(redis_url, model_dir, "w2", "--max-model-len", "2048")
+    rec = client.wait(jid, timeout=120)
+    assert rec.status == JobStatus.SUCCEEDED and rec.worker == "w2"
+    assert rec.result is not None and rec.result.completion_tokens == 1900
+
+
+def test_poison_job_is_dead_lettered(
+    redis_url: str, model_dir: Path, start_worker: StartWorker
+) -> None:
+    """A job whose worker dies every time it runs it is dead-lettered after --max-deliveries."""
+    client = Client(redis_url)
+    jid = client.submit([4] * 20, LONG)
+    args = ("--max-deliveries", "2", "--max-model-len", "2048")
+    for delivery in (1, 2):
+        w = start_worker(redis_url, model_dir, "p", *args)
+        wait_for(
+            lambda d=delivery: (r := client.get(jid)) and r.deliveries == d and r.tokens_generated,
+            what=f"delivery {delivery} running",
+        )
+        w.kill()
+    start_worker(redis_url, model_dir, "p", *args)
+    rec = client.wait(jid, timeout=30)
+    assert rec.status == JobStatus.FAILED
+    assert rec.error is not None and "dead-lettered" in rec.error and "max 2" in rec.error
+    dead = client.store.dead_letters()
+    assert [d["job"] for d in dead] == [jid]
+    nxt = client.submit("the next job", SHORT)
+    assert client.wait(nxt, timeout=30).status == JobStatus.SUCCEEDED
+
+
+def inject(store: JobStore, raw: str) -> str:
+    """Queue a job whose stored request is ``raw`` (as if written by a broken or old client)."""
+    jid = new_job_id()
+    keys, args = store.enqueue_args(jid, JobRequest(prompt=[1]))
+    store.ensure_groups()
+    store.load_scripts()
+    pipe = store.r.pipeline(transaction=True)
+    pipe.evalsha(store.script("enqueue").sha, len(keys), *keys, *args)
+    pipe.hset(store.keys.job(jid), "request", raw)
+    pipe.execute()
+    return jid
+
+
+def req(**fields: object) -> str:
+    return json.dumps(fields)
+
+
+#: (stored request, a word the failure reason must contain)
+BAD_INPUTS: list[tuple[str, str]] = [
+    ("", "invalid request"),
+    ("{not json", "invalid request"),
+    ("[1, 2, 3]", "invalid request"),
+    ("null", "invalid request"),
+    ('"a string"', "invalid request"),
+    (req(prompt="x", colour="red"), "colour"),
+    (req(prompt="x", params={"max_tokens": 4, "beam_width": 3}), "beam_width"),
+    (req(), "exactly one"),
+    (req(prompt="x", messages=[{"role": "user", "content": "y"}]), "exactly one"),
+    (req(prompt=""), "prompt"),
+    (req(prompt=[]), "prompt"),
+    (req(prompt=[1, -2, 3]), "prompt"),
+    (req(prompt=[1, 2.5]), "prompt"),
+    (req(prompt=["a", "b"]), "prompt"),
+    (req(prompt={"text": "x"}), "prompt"),
+    (req(prompt=[1, 99999]), "token ids"),
+    (req(prompt=[1, 2**40]), "token ids"),
+    (req(prompt=[5] * 600), "context length"),
+    (req(prompt="word " * 800), "context length"),
+    (req(prompt="x", params={"max_tokens": 0}), "max_tokens"),
+    (req(prompt="x", params={"max_tokens": -5}), "max_tokens"),
+    (req(prompt="x", params={"temperature": -1}), "temperature"),
+    (req(prompt="x", params={"temperature": "hot"}), "temperature"),
+    (req(prompt="x", params={"top_p": 0}), "top_p"),
+    (req(prompt="x", params={"top_p": 1.5}), "top_p"),
+    (req(prompt="x", params={"top_k": -1}), "top_k"),
+    (req(prompt="x", params={"n": 0}), "n"),
+    (req(prompt="x", params={"n": 1000}), "n"),
+    (req(prompt="x", params={"min_tokens": 9, "max_tokens": 3}), "min_tokens"),
+    (req(prompt="x", params={"stop": [""]}), "stop"),
+    (req(prompt="x", params={"stop_token_ids": [-1]}), "stop_token_ids"),
+    (req(prompt="x", params={"stop_token_ids": [100000]}), "stop_token_ids"),
+    (req(prompt="x", params={"logprobs": 100}), "logprobs"),
+    (req(prompt="x", params={"seed": -3}), "seed"),
+    (req(prompt="x", params={"repetition_penalty": 0}), "repetition_penalty"),
+    (req(messages=[]), "messages"),
+    (req(messages=[{"role": "robot", "content": "hi"}]), "role"),
+    (req(messages=[{"role": "user", "content": 7}]), "content"),
+    (req(messages=[{"role": "user"}]), "content"),
+    (req(prompt="x", priority="urgent"), "priority"),
+    (req(prompt="x", metadata=[1, 2]), "metadata"),
+    (req(prompt="x", params="greedy"), "params"),
+]
+
+
+def test_bad_inputs_fail_with_a_reason_and_the_worker_goes_on(
+    redis_url: str, model_dir: Path, start_worker: StartWorker
+) -> None:
+    assert len(BAD_INPUTS) >= 30
+    client = Client(redis_url)
+    w = start_worker(redis_url, model_dir, "w")
+    good: list[str] = []
+    bad: list[str] = []
+    for i, (raw, _) in enumerate(BAD_INPUTS):
+        bad.append(inject(client.store, raw))
+        good.append(client.submit(f"good job {i}", SHORT))
+    # Records with an unparsable request cannot be read as JobRecord: read the raw fields.
+    wait_for(
+        lambda: all(s.terminal for s in client.store.statuses(bad + good)),
+        timeout=60,
+        what="every job to end",
+    )
+    for jid, (raw, word) in zip(bad, BAD_INPUTS, strict=True):
+        status, error = client.r.hmget(client.keys.job(jid), "status", "error")
+        assert status == "failed", raw[:80]
+        assert error and word in error, (raw[:80], error)
+    assert all(s == JobStatus.SUCCEEDED for s in client.store.statuses(good))
+    assert w.proc.poll() is None
