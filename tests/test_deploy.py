@@ -1,4 +1,4 @@
-"""The deployment files: compose.yaml valid against the Compose specification, and what it promises."""
+"""Deployment files: compose.yaml valid against the Compose specification, and its promises."""
 
 from __future__ import annotations
 
