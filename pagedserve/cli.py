@@ -27,6 +27,8 @@ DELEGATED = {
     "make-model": "worker.make_model",
     "worker": "worker.service",
     "api": "api.server",
+    "up": "pagedserve.supervisor",
+    "demo": "pagedserve.demo",
 }
 
 
