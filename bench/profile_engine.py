@@ -1,0 +1,158 @@
+"""Where our engine's time goes on the bench model's ``mixed`` workload (no engine changes).
+
+Pass 1 wraps engine, scheduler, runner, attention backend, sampler, detokenizer and ``F.linear``
+with perf_counter accumulators (a few microseconds per call) and reports each phase's share of wall
+time. Pass 2 (``--torch-profiler``) runs a smaller slice under torch.profiler and lists the top
+aten ops by self CPU time. Prints one JSON line.
+
+    python -m bench.profile_engine [--model DIR] [--requests 48] [--torch-profiler]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench.common import emit
+from bench.throughput import ensure_model, make_mixed, model_numbers
+
+TOTALS: dict[str, float] = defaultdict(float)
+CALLS: dict[str, int] = defaultdict(int)
+
+
+def timer(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            TOTALS[name] += time.perf_counter() - t0
+            CALLS[name] += 1
+
+    return wrapped
+
+
+def patch(owner: Any, attr: str, name: str) -> None:
+    setattr(owner, attr, timer(name, getattr(owner, attr)))
+
+
+def install_timers() -> None:
+    """Class-level wrappers: every instance created afterwards is timed."""
+    import torch.nn.functional as F
+
+    from kernels.torch_backend import TorchBackend
+    from scheduler.scheduler import Scheduler
+    from worker.detokenizer import IncrementalDetokenizer
+    from worker.engine import Engine
+    from worker.model_runner import ModelRunner
+    from worker.sampler import Sampler
+
+    patch(Engine, "step", "engine.step")
+    patch(Scheduler, "schedule", "scheduler.schedule")
+    patch(Scheduler, "postprocess", "scheduler.postprocess")
+    patch(ModelRunner, "execute", "runner.execute")
+    patch(ModelRunner, "_update_tables", "runner.update_tables")
+    patch(TorchBackend, "paged_attention", "attn.paged_attention")
+    patch(TorchBackend, "write_kv", "attn.write_kv")
+    patch(TorchBackend, "_decode_chunk", "attn.decode_chunk")
+    patch(TorchBackend, "_prefill", "attn.prefill")
+    patch(TorchBackend, "_get_plan", "attn.plan")
+    patch(TorchBackend, "_get_decode_chunks", "attn.decode_chunks_plan")
+    patch(Sampler, "sample", "sampler.sample")
+    patch(Engine, "_sample", "engine.sample_total")
+    patch(Engine, "_on_token", "engine.on_token")
+    patch(Engine, "_output", "engine.output")
+    patch(IncrementalDetokenizer, "add", "detok.add")
+    patch(F, "linear", "F.linear")
+
+
+def run_mixed(model: Path, requests: int, vocab: int) -> tuple[float, int, int]:
+    from pagedserve.params import SamplingParams
+    from worker.llm import LLM
+
+    wl = make_mixed(requests, vocab, 0)
+    llm = LLM(model, dtype="float32", max_model_len=1024, kv_cache_memory=2 << 30)
+    llm.generate([[10, 11, 12, 13]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    TOTALS.clear()
+    CALLS.clear()
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in wl.max_tokens]
+    t0 = time.perf_counter()
+    llm.generate([{"prompt_token_ids": p} for p in wl.prompts], params, use_tqdm=False)
+    return time.perf_counter() - t0, wl.prompt_tokens, wl.output_tokens
+
+
+def phase_table(wall: float) -> dict[str, Any]:
+    table = {
+        name: {"s": round(s, 3), "pct": round(100 * s / wall, 1), "calls": CALLS[name]}
+        for name, s in sorted(TOTALS.items(), key=lambda kv: -kv[1])
+    }
+    step = TOTALS["engine.step"]
+    known = TOTALS["scheduler.schedule"] + TOTALS["runner.execute"]
+    known += TOTALS["engine.sample_total"] + TOTALS["scheduler.postprocess"]
+    known += TOTALS["engine.on_token"] + TOTALS["engine.output"]
+    model_other = TOTALS["runner.execute"] - TOTALS["F.linear"] - TOTALS["attn.paged_attention"]
+    model_other -= TOTALS["attn.write_kv"]
+    derived = {
+        "outside_step_pct": round(100 * (wall - step) / wall, 1),
+        "step_unattributed_pct": round(100 * (step - known) / wall, 1),
+        "runner_non_linear_non_attn_pct": round(100 * model_other / wall, 1),
+    }
+    return {"phases": table, "derived": derived}
+
+
+def torch_ops(model: Path, requests: int, vocab: int, top: int = 15) -> list[dict[str, Any]]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run_mixed(model, requests, vocab)
+    rows = []
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in events) or 1
+    for e in events[:top]:
+        rows.append(
+            {
+                "op": e.key,
+                "self_ms": round(e.self_cpu_time_total / 1000, 1),
+                "pct": round(100 * e.self_cpu_time_total / total, 1),
+                "calls": e.count,
+            }
+        )
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model")
+    ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--torch-profiler", action="store_true")
+    args = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory(prefix="profile-") as tmp:
+        model = ensure_model(args.model, Path(tmp))
+        vocab, _ = model_numbers(model)
+        ops = torch_ops(model, max(8, args.requests // 4), vocab) if args.torch_profiler else []
+        install_timers()
+        wall, ptok, otok = run_mixed(model, args.requests, vocab)
+    figures = {
+        "requests": args.requests,
+        "prompt_tokens": ptok,
+        "output_tokens": otok,
+        "wall_s": round(wall, 2),
+        "output_tok_s": round(otok / wall, 1),
+        **phase_table(wall),
+        "torch_top_ops": ops,
+        "note": "2 shared CPU cores: noisy; timers add a few us per call",
+    }
+    emit("profile_engine", figures)
+
+
+if __name__ == "__main__":
+    main()
