@@ -1,0 +1,51 @@
+"""ModelRunner: KV-cache sizing, persistent block tables, copy-on-write block copies."""
+
+from __future__ import annotations
+
+import torch
+
+from scheduler.output import ScheduledSequence, SchedulerOutput
+from worker.model_runner import ModelRunner
+from worker.outputs import EngineConfig
+
+
+def test_cache_is_sized_from_the_per_token_footprint(make_tiny_model) -> None:
+    model_dir = make_tiny_model("llama")
+    runner = ModelRunner(model_dir, EngineConfig(block_size=16, kv_cache_memory=1 << 20))
+    mc = runner.model.config
+    per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 4  # fp32
+    assert runner.bytes_per_token() == per_token
+    assert runner.layout.num_blocks == (1 << 20) // (per_token * 16)
+    k, v = runner.kv_caches[0]
+    assert k.shape == (runner.layout.num_blocks, 16, mc.num_kv_heads, mc.head_dim)
+    assert len(runner.kv_caches) == mc.num_layers and v.dtype == torch.float32
+    bf16 = ModelRunner(
+        model_dir, EngineConfig(block_size=8, kv_cache_memory=1 << 20, dtype="bfloat16")
+    )
+    assert bf16.bytes_per_token() == per_token // 2
+    assert bf16.layout.num_blocks == (1 << 20) // (per_token // 2 * 8)
+    explicit = ModelRunner(model_dir, EngineConfig(num_kv_blocks=7))
+    assert explicit.layout.num_blocks == 7 and explicit.layout.capacity_tokens == 7 * 16
+
+
+def test_tables_persist_and_copies_happen_before_the_pass(make_tiny_model) -> None:
+    model_dir = make_tiny_model("llama")
+    runner = ModelRunner(model_dir, EngineConfig(block_size=4, num_kv_blocks=16))
+    prompt = [7, 8, 9, 10, 11, 12]
+    slots = [12, 13, 14, 15, 20, 21]  # blocks 3 and 5 of 4 slots each
+    prefill = ScheduledSequence(0, "r0", prompt, 0, 0, [3, 5], slots, True)
+    first = runner.execute(SchedulerOutput([prefill], num_batched_tokens=6))
+    assert first is not None and first.shape == (1, runner.model.config.vocab_size)
+    assert runner._tables[runner._row_of[0], :2].tolist() == [3, 5]
+    # Copy-on-write of block 5 into block 9, then decode position 6 of a fork living in block 9.
+    fork = ScheduledSequence(1, "r1", [13], 6, 0, [3, 9], [9 * 4 + 2], True)
+    out = runner.execute(SchedulerOutput([fork], block_copies=[(5, 9)], num_batched_tokens=1))
+    for k, _ in runner.kv_caches:
+        assert torch.equal(k[9, :2], k[5, :2])  # the copied prefix of the partial block
+    # The fork reads the same prefix as the original would: compare with decoding on block 5.
+    orig = ScheduledSequence(0, "r0", [13], 6, 2, [], [5 * 4 + 2], True)
+    ref = runner.execute(SchedulerOutput([orig], num_batched_tokens=1))
+    assert out is not None and ref is not None
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    runner.execute(SchedulerOutput([], released_seq_ids=[0, 1]))
+    assert not runner._row_of
