@@ -107,3 +107,44 @@ def make_batch(
         v_cache=v_cache.to(device=device, dtype=dtype),
         meta=meta,
     )
+
+
+def share_prefix(
+    batch: PagedBatch, seqs: list[int], num_blocks: int, consecutive: bool = False
+) -> PagedBatch:
+    """The batch with ``seqs`` reading the first ``num_blocks`` blocks of ``seqs[0]``'s table.
+
+    This is what prefix caching produces: the same physical block ids at the head of several
+    tables. The shared blocks must hold cached positions only (no new token of any of ``seqs``
+    is written there). With ``consecutive``, physical blocks are renumbered so that the shared
+    prefix occupies ids ``0 .. num_blocks-1`` (a slice of the cache).
+    """
+    meta = batch.meta
+    block_size = batch.k_cache.shape[1]
+    for b in seqs:
+        cached = meta.seq_lens_host[b] - meta.query_lens_host[b]
+        if num_blocks * block_size > cached:
+            raise ValueError(f"sequence {b} has only {cached} cached positions")
+    table = meta.block_tables.clone()
+    table[seqs, :num_blocks] = table[seqs[0], :num_blocks]
+    k_cache, v_cache, slots = batch.k_cache, batch.v_cache, meta.slot_mapping
+    if consecutive:
+        prefix = table[seqs[0], :num_blocks].to(torch.long).tolist()
+        rest = [i for i in range(k_cache.shape[0]) if i not in set(prefix)]
+        order = torch.tensor(prefix + rest, dtype=torch.long)
+        new_id = torch.empty_like(order)
+        new_id[order] = torch.arange(order.numel())
+        k_cache, v_cache = k_cache[order.to(k_cache.device)], v_cache[order.to(v_cache.device)]
+        table = new_id.to(table.device)[table.to(torch.long)].to(table.dtype)
+        slots = new_id.to(slots.device)[slots // block_size] * block_size + slots % block_size
+    new_meta = AttentionMetadata(
+        query_start_loc=meta.query_start_loc,
+        seq_lens=meta.seq_lens,
+        block_tables=table,
+        slot_mapping=slots,
+        query_lens_host=meta.query_lens_host,
+        seq_lens_host=meta.seq_lens_host,
+        max_query_len=meta.max_query_len,
+        max_seq_len=meta.max_seq_len,
+    )
+    return PagedBatch(batch.query, batch.key, batch.value, k_cache, v_cache, new_meta)

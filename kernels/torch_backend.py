@@ -39,11 +39,20 @@ CHUNK_BYTES = 6 * 1024 * 1024
 
 @dataclass
 class _DecodeRow:
-    first_block: int  # first block the query can see (0 unless a sliding window skips some)
+    first_block: int  # first block the query reads here (window start, or end of shared prefix)
     num_blocks: int
     seq_index: int
     token_row: int
     seq_len: int
+    shared_slot: int = -1  # row in the step's shared-prefix results, -1 when not in a group
+
+
+@dataclass
+class _Merge:
+    """Rows of a decode chunk whose context starts with a shared prefix computed separately."""
+
+    local: torch.Tensor  # int64 [m]: rows of the chunk
+    slots: torch.Tensor  # int64 [m]: rows of the step's shared-prefix results
 
 
 @dataclass
@@ -53,7 +62,26 @@ class _DecodeChunk:
     token_idx: torch.Tensor  # int64 [n]: rows of the flat batch
     block_ids: torch.Tensor  # int64 [n * num_blocks]
     num_blocks: int
-    mask: torch.Tensor | None  # bool [n, 1, 1, num_blocks * block_size], None when nothing padded
+    mask: torch.Tensor | None  # additive 0/-inf [n, 1, 1, num_blocks * block_size], or None
+    merge: _Merge | None = None
+
+
+@dataclass
+class _SharedGroup:
+    """Decode tokens whose block tables start with the same ``num_blocks`` physical blocks."""
+
+    token_idx: torch.Tensor  # int64 [G]: rows of the flat batch
+    block_ids: torch.Tensor  # int64 [num_blocks]
+    first_id: int  # block_ids[0]
+    contiguous: bool  # block_ids == first_id + arange(num_blocks): read as a slice, no gather
+    num_blocks: int
+
+
+@dataclass
+class _DecodePlan:
+    shared: list[_SharedGroup]
+    chunks: list[_DecodeChunk]
+    num_shared_rows: int
 
 
 @dataclass
@@ -70,8 +98,9 @@ class _Prefill:
 class _Plan:
     prefill: list[_Prefill] = field(default_factory=list)
     decode_seqs: list[tuple[int, int]] = field(default_factory=list)  # (seq_index, token_row)
-    # decode chunks per (sliding_window, bytes of K+V per token)
-    decode: dict[tuple[int | None, int], list[_DecodeChunk]] = field(default_factory=dict)
+    # decode work per (sliding_window, bytes of K+V per token, compute dtype)
+    decode: dict[tuple[int | None, int, torch.dtype], _DecodePlan] = field(default_factory=dict)
+    table_host: list[list[int]] | None = None  # decode rows of the block table, read once
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -87,8 +116,39 @@ def _decode_rows(
         last_block = (seq_len - 1) // block_size
         first = 0 if window is None else max(0, seq_len - window) // block_size
         rows.append(_DecodeRow(first, last_block - first + 1, b, token_row, seq_len))
-    rows.sort(key=lambda r: r.num_blocks)
     return rows
+
+
+def _common_prefix(tables: list[list[int]], limit: int) -> int:
+    """Length of the leading run of block ids shared by every table (at most ``limit``)."""
+    first = tables[0]
+    n = 0
+    while n < limit and all(t[n] == first[n] for t in tables):
+        n += 1
+    return n
+
+
+def _find_shared_groups(
+    rows: list[_DecodeRow], tables: list[list[int]], block_size: int
+) -> list[tuple[list[int], int]]:
+    """``(row indices, shared full blocks)`` for sequences whose tables start alike.
+
+    Rows are grouped by their first block id; the group's prefix is the common leading run of
+    identical block ids, kept strictly before each member's last (partly private) block.
+    """
+    by_first: dict[int, list[int]] = {}
+    for i, row in enumerate(rows):
+        if (row.seq_len - 1) // block_size >= 1:
+            by_first.setdefault(tables[i][0], []).append(i)
+    groups = []
+    for members in by_first.values():
+        if len(members) < 2:
+            continue
+        limit = min((rows[i].seq_len - 1) // block_size for i in members)
+        shared = _common_prefix([tables[i] for i in members], limit)
+        if shared >= 1:
+            groups.append((members, shared))
+    return groups
 
 
 def _chunk_rows(rows: list[_DecodeRow], block_bytes: int, chunk_bytes: int) -> list[list[int]]:
@@ -106,49 +166,143 @@ def _chunk_rows(rows: list[_DecodeRow], block_bytes: int, chunk_bytes: int) -> l
     return groups
 
 
-def _make_decode_chunks(
+def _chunk_mask(
+    sel: list[_DecodeRow],
+    block_size: int,
+    window: int | None,
+    cdt: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """Additive mask (0 where allowed, -inf elsewhere), built once per step; None if unneeded."""
+    nb = sel[-1].num_blocks
+    length = nb * block_size
+    needs_mask = any(
+        length != r.seq_len - r.first_block * block_size
+        or (window is not None and r.seq_len - r.first_block * block_size > window)
+        for r in sel
+    )
+    if not needs_mask:
+        return None
+    first = torch.tensor([r.first_block for r in sel], dtype=torch.long, device=device)
+    last = torch.tensor([r.seq_len - 1 for r in sel], dtype=torch.long, device=device)
+    pos = first[:, None] * block_size + torch.arange(length, device=device)[None, :]
+    allowed = pos <= last[:, None]
+    if window is not None:
+        allowed &= pos > last[:, None] - window
+    mask = torch.zeros(allowed.shape, dtype=cdt, device=device)
+    mask.masked_fill_(~allowed, float("-inf"))
+    return mask[:, None, None, :]
+
+
+def _make_chunk(
+    sel: list[_DecodeRow],
+    table: torch.Tensor,
+    block_size: int,
+    window: int | None,
+    cdt: torch.dtype,
+) -> _DecodeChunk:
+    device = table.device
+    nb = sel[-1].num_blocks
+    seq_idx = torch.tensor([r.seq_index for r in sel], dtype=torch.long, device=device)
+    first = torch.tensor([r.first_block for r in sel], dtype=torch.long, device=device)
+    cols = (first[:, None] + torch.arange(nb, device=device)[None, :]).clamp_(
+        max=table.shape[1] - 1
+    )
+    block_ids = table.index_select(0, seq_idx).gather(1, cols)
+    local = [i for i, r in enumerate(sel) if r.shared_slot >= 0]
+    merge = None
+    if local:
+        merge = _Merge(
+            local=torch.tensor(local, dtype=torch.long, device=device),
+            slots=torch.tensor(
+                [sel[i].shared_slot for i in local], dtype=torch.long, device=device
+            ),
+        )
+    return _DecodeChunk(
+        token_idx=torch.tensor([r.token_row for r in sel], dtype=torch.long, device=device),
+        block_ids=block_ids.reshape(-1).to(torch.long),
+        num_blocks=nb,
+        mask=_chunk_mask(sel, block_size, window, cdt, device),
+        merge=merge,
+    )
+
+
+def _make_shared_group(
+    rows: list[_DecodeRow], members: list[int], prefix: list[int], device: torch.device
+) -> _SharedGroup:
+    first_id = prefix[0]
+    return _SharedGroup(
+        token_idx=torch.tensor(
+            [rows[i].token_row for i in members], dtype=torch.long, device=device
+        ),
+        block_ids=torch.tensor(prefix, dtype=torch.long, device=device),
+        first_id=first_id,
+        contiguous=prefix == list(range(first_id, first_id + len(prefix))),
+        num_blocks=len(prefix),
+    )
+
+
+def _make_decode_plan(
     plan: _Plan,
     meta: AttentionMetadata,
     block_size: int,
     window: int | None,
     token_bytes: int,
     chunk_bytes: int,
-) -> list[_DecodeChunk]:
+    cdt: torch.dtype,
+) -> _DecodePlan:
     rows = _decode_rows(plan, meta, block_size, window)
     device = meta.block_tables.device
-    table = meta.block_tables
-    width = table.shape[1]
-    chunks = []
-    for group in _chunk_rows(rows, block_size * token_bytes, chunk_bytes):
-        sel = [rows[i] for i in group]
-        nb = sel[-1].num_blocks
-        seq_idx = torch.tensor([r.seq_index for r in sel], dtype=torch.long, device=device)
-        first = torch.tensor([r.first_block for r in sel], dtype=torch.long, device=device)
-        cols = (first[:, None] + torch.arange(nb, device=device)[None, :]).clamp_(max=width - 1)
-        block_ids = table.index_select(0, seq_idx).gather(1, cols.to(table.dtype).long())
-        length = nb * block_size
-        needs_mask = any(
-            length != r.seq_len - r.first_block * block_size
-            or (window is not None and r.seq_len - r.first_block * block_size > window)
-            for r in sel
-        )
-        mask = None
-        if needs_mask:
-            last = torch.tensor([r.seq_len - 1 for r in sel], dtype=torch.long, device=device)
-            pos = first[:, None] * block_size + torch.arange(length, device=device)[None, :]
-            allowed = pos <= last[:, None]
-            if window is not None:
-                allowed &= pos > last[:, None] - window
-            mask = allowed[:, None, None, :]
-        chunks.append(
-            _DecodeChunk(
-                token_idx=torch.tensor([r.token_row for r in sel], dtype=torch.long, device=device),
-                block_ids=block_ids.reshape(-1).to(torch.long),
-                num_blocks=nb,
-                mask=mask,
-            )
-        )
-    return chunks
+    shared: list[_SharedGroup] = []
+    slot = 0
+    if window is None and len(rows) >= 2:
+        if plan.table_host is None:
+            seqs = [b for b, _ in plan.decode_seqs]
+            plan.table_host = meta.block_tables[seqs].tolist()
+        tables = plan.table_host
+        for members, num_shared in _find_shared_groups(rows, tables, block_size):
+            prefix = tables[members[0]][:num_shared]
+            shared.append(_make_shared_group(rows, members, prefix, device))
+            for i in members:
+                rows[i].first_block = num_shared
+                rows[i].num_blocks -= num_shared
+                rows[i].shared_slot = slot
+                slot += 1
+    rows.sort(key=lambda r: r.num_blocks)
+    table = meta.block_tables.to(torch.long)
+    chunks = [
+        _make_chunk([rows[i] for i in group], table, block_size, window, cdt)
+        for group in _chunk_rows(rows, block_size * token_bytes, chunk_bytes)
+    ]
+    return _DecodePlan(shared=shared, chunks=chunks, num_shared_rows=slot)
+
+
+def _flash(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPU flash attention returning ``(output, logsumexp)``; no GQA, additive float mask."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, attn_mask=mask, scale=scale
+    )
+
+
+def _merge_into(
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    merge: _Merge,
+    shared_o: torch.Tensor,
+    shared_lse: torch.Tensor,
+) -> torch.Tensor:
+    """Combine the chunk's partial results with the shared-prefix ones, exactly, by LSE weights."""
+    o1 = o.index_select(0, merge.local)
+    l1 = lse.index_select(0, merge.local)
+    o2 = shared_o.index_select(0, merge.slots)
+    l2 = shared_lse.index_select(0, merge.slots)
+    total = torch.logaddexp(l1, l2)
+    merged = o1 * torch.exp(l1 - total).unsqueeze(-1) + o2 * torch.exp(l2 - total).unsqueeze(-1)
+    if merge.local.shape[0] == o.shape[0]:
+        return merged
+    return o.index_copy(0, merge.local, merged)
 
 
 class _Workspace:
@@ -221,19 +375,19 @@ class TorchBackend:
         self._plan, self._plan_meta, self._plan_block_size = plan, meta, block_size
         return plan
 
-    def _get_decode_chunks(
-        self, meta: AttentionMetadata, k_cache: torch.Tensor, window: int | None
-    ) -> list[_DecodeChunk]:
+    def _get_decode_plan(
+        self, meta: AttentionMetadata, k_cache: torch.Tensor, window: int | None, cdt: torch.dtype
+    ) -> _DecodePlan:
         plan = self._get_plan(meta, k_cache.shape[1])
         token_bytes = 2 * k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()
-        key = (window, token_bytes)
-        chunks = plan.decode.get(key)
-        if chunks is None:
-            chunks = _make_decode_chunks(
-                plan, meta, k_cache.shape[1], window, token_bytes, self._chunk_bytes
+        key = (window, token_bytes, cdt)
+        decode = plan.decode.get(key)
+        if decode is None:
+            decode = _make_decode_plan(
+                plan, meta, k_cache.shape[1], window, token_bytes, self._chunk_bytes, cdt
             )
-            plan.decode[key] = chunks
-        return chunks
+            plan.decode[key] = decode
+        return decode
 
     # ------------------------------------------------------------------ attention
     def paged_attention(
@@ -253,14 +407,85 @@ class TorchBackend:
             return out
         plan = self._get_plan(meta, k_cache.shape[1])
         if plan.decode_seqs:
-            for chunk in self._get_decode_chunks(meta, k_cache, sliding_window):
-                rows = self._decode_chunk(query, k_cache, v_cache, chunk, scale)
-                out.index_copy_(0, chunk.token_idx, rows.to(query.dtype))
+            cdt = _compute_dtype(query.dtype)
+            decode = self._get_decode_plan(meta, k_cache, sliding_window, cdt)
+            shared = self._shared_prefixes(query, k_cache, v_cache, decode, scale, cdt)
+            for chunk in decode.chunks:
+                o, lse = self._decode_chunk(query, k_cache, v_cache, chunk, scale, cdt)
+                if chunk.merge is not None and shared is not None:
+                    o = _merge_into(o, lse, chunk.merge, *shared)
+                out.index_copy_(0, chunk.token_idx, o.to(query.dtype))
         for pre in plan.prefill:
             out[pre.start : pre.start + pre.query_len] = self._prefill(
                 query, key, value, k_cache, v_cache, meta, pre, scale, sliding_window
             )
         return out
+
+    def _shared_prefixes(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        decode: _DecodePlan,
+        scale: float,
+        cdt: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``([S, H, D], [S, H])``: output and log-sum-exp of every grouped query over its prefix.
+
+        Each group reads its prefix once (a slice of the cache when the blocks are consecutive,
+        else one small gather) and runs all its queries against it in one flash-attention call,
+        folding the group's queries into the query-length dimension of each KV head.
+        """
+        if not decode.shared:
+            return None
+        outs, lses = [], []
+        for group in decode.shared:
+            o, lse = self._shared_group(query, k_cache, v_cache, group, scale, cdt)
+            outs.append(o)
+            lses.append(lse)
+        if len(outs) == 1:
+            return outs[0], lses[0]
+        return torch.cat(outs), torch.cat(lses)
+
+    def _shared_group(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        group: _SharedGroup,
+        scale: float,
+        cdt: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        _, block_size, num_kv_heads, head_dim = k_cache.shape
+        num_heads = query.shape[1]
+        per_kv = num_heads // num_kv_heads
+        n = group.token_idx.shape[0]
+        if group.contiguous:
+            k_blocks = k_cache[group.first_id : group.first_id + group.num_blocks]
+            v_blocks = v_cache[group.first_id : group.first_id + group.num_blocks]
+        else:
+            k_blocks, v_blocks = self._workspace.get(
+                (group.num_blocks, block_size, num_kv_heads, head_dim),
+                k_cache.dtype,
+                k_cache.device,
+            )
+            torch.index_select(k_cache, 0, group.block_ids, out=k_blocks)
+            torch.index_select(v_cache, 0, group.block_ids, out=v_blocks)
+        length = group.num_blocks * block_size
+        # [L, Hkv, D] -> strided [1, Hkv, L, D]
+        k = k_blocks.reshape(length, num_kv_heads, head_dim).to(cdt).transpose(0, 1).unsqueeze(0)
+        v = v_blocks.reshape(length, num_kv_heads, head_dim).to(cdt).transpose(0, 1).unsqueeze(0)
+        # [G, H, D] -> [1, Hkv, G * per_kv, D]: head h reads KV head h // per_kv
+        q = query.index_select(0, group.token_idx).to(cdt).view(n, num_kv_heads, per_kv, head_dim)
+        q = q.transpose(0, 1).reshape(1, num_kv_heads, n * per_kv, head_dim)
+        o, lse = _flash(q, k, v, None, scale)
+        o = (
+            o.view(num_kv_heads, n, per_kv, head_dim)
+            .transpose(0, 1)
+            .reshape(n, num_heads, head_dim)
+        )
+        lse = lse.reshape(num_kv_heads, n, per_kv).transpose(0, 1).reshape(n, num_heads)
+        return o, lse.to(cdt)
 
     def _decode_chunk(
         self,
@@ -269,13 +494,17 @@ class TorchBackend:
         v_cache: torch.Tensor,
         chunk: _DecodeChunk,
         scale: float,
-    ) -> torch.Tensor:
-        """``[n, H, D]``: single-token queries over contexts padded to ``num_blocks`` blocks."""
+        cdt: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``([n, H, D], [n, H])``: single-token queries over contexts padded to ``num_blocks``.
+
+        The query heads that share a KV head are folded into the query-length dimension, so the
+        flash kernel needs no GQA expansion and returns the log-sum-exp for the prefix merge.
+        """
         _, block_size, num_kv_heads, head_dim = k_cache.shape
         num_heads = query.shape[1]
         n = chunk.token_idx.shape[0]
         length = chunk.num_blocks * block_size
-        cdt = _compute_dtype(query.dtype)
         k_buf, v_buf = self._workspace.get(
             (n * chunk.num_blocks, block_size, num_kv_heads, head_dim),
             k_cache.dtype,
@@ -283,14 +512,13 @@ class TorchBackend:
         )
         torch.index_select(k_cache, 0, chunk.block_ids, out=k_buf)
         torch.index_select(v_cache, 0, chunk.block_ids, out=v_buf)
-        # [n, L, Hkv, D] -> strided [n, Hkv, L, D] views: SDPA reads them without a copy
+        # [n, L, Hkv, D] -> strided [n, Hkv, L, D] views: the kernel reads them without a copy
         k = k_buf.view(n, length, num_kv_heads, head_dim).to(cdt).transpose(1, 2)
         v = v_buf.view(n, length, num_kv_heads, head_dim).to(cdt).transpose(1, 2)
-        q = query.index_select(0, chunk.token_idx).to(cdt).unsqueeze(2)  # [n, H, 1, D]
-        o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=chunk.mask, scale=scale, enable_gqa=num_heads != num_kv_heads
-        )
-        return o.view(n, num_heads, head_dim)
+        q = query.index_select(0, chunk.token_idx).to(cdt)
+        q = q.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        o, lse = _flash(q, k, v, chunk.mask, scale)
+        return o.reshape(n, num_heads, head_dim), lse.reshape(n, num_heads).to(cdt)
 
     def _prefill(
         self,

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from kernels import get_backend
 from kernels.reference import reference_paged_attention, reference_write_kv
-from kernels.testing import PagedBatch, make_batch
+from kernels.testing import PagedBatch, make_batch, share_prefix
 from kernels.torch_backend import TorchBackend
 
 
@@ -195,3 +195,188 @@ def test_get_backend_picks_torch_on_cpu() -> None:
     backend = get_backend("cpu")
     assert backend.name == "torch"
     assert get_backend("cpu") is backend
+
+
+# ---------------------------------------------------------------- shared prefixes (cascade)
+
+
+def shared_group_sizes(backend: TorchBackend) -> list[tuple[int, int]]:
+    """``(sequences, shared blocks)`` of every shared-prefix group the last plan found."""
+    return sorted(
+        (g.token_idx.shape[0], g.num_blocks)
+        for decode in backend._plan.decode.values()
+        for g in decode.shared
+    )
+
+
+def shared_batch(
+    groups: list[tuple[int, int, list[int]]],
+    others: list[tuple[int, int]],
+    *,
+    block_size: int,
+    num_heads: int = 8,
+    num_kv_heads: int = 4,
+    head_dim: int = 32,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    consecutive: bool = False,
+) -> PagedBatch:
+    """Decode groups ``(sequences, shared blocks, private tail lengths)`` plus other sequences
+    ``(query_len, seq_len)``, interleaved in the flat batch."""
+    q_lens: list[int] = []
+    s_lens: list[int] = []
+    members: list[list[int]] = []
+    pending = list(others)
+    for num_seqs, blocks, tails in groups:
+        members.append([])
+        for i in range(num_seqs):
+            members[-1].append(len(q_lens))
+            q_lens.append(1)
+            s_lens.append(blocks * block_size + tails[i % len(tails)])
+            if pending and i % 2 == 1:  # interleave the other sequences with the groups'
+                q_len, s_len = pending.pop(0)
+                q_lens.append(q_len)
+                s_lens.append(s_len)
+    for q_len, s_len in pending:
+        q_lens.append(q_len)
+        s_lens.append(s_len)
+    batch = make_batch(
+        q_lens, s_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        block_size=block_size, dtype=dtype, seed=seed,
+    )  # fmt: skip
+    for seqs, (_, blocks, _) in zip(members, groups, strict=True):
+        batch = share_prefix(batch, seqs, blocks, consecutive=consecutive)
+    return batch
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 4), (8, 2)])
+@pytest.mark.parametrize(
+    ("num_seqs", "blocks", "tails"),
+    [(2, 1, [1, 5]), (5, 7, [1, 20, 33, 64, 3]), (40, 3, [1, 2, 9, 17]), (3, 70, [30, 1, 70])],
+)
+def test_shared_prefix_decode(
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    num_seqs: int,
+    blocks: int,
+    tails: list[int],
+) -> None:
+    batch = shared_batch(
+        [(num_seqs, blocks, tails)], [], block_size=block_size, num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+    )  # fmt: skip
+    backend = TorchBackend()
+    run_and_compare(batch, backend=backend)
+    assert shared_group_sizes(backend) == [(num_seqs, blocks)]
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_shared_prefix_with_only_partial_private_block(block_size: int) -> None:
+    """Tails shorter than a block: each sequence's only private block is its last, partial one."""
+    tails = [1, block_size - 1, block_size // 2, block_size]
+    batch = shared_batch([(4, 5, tails)], [], block_size=block_size)
+    backend = TorchBackend()
+    run_and_compare(batch, backend=backend)
+    assert shared_group_sizes(backend) == [(4, 5)]
+
+
+def test_shared_prefix_common_only_to_part_of_some_tables() -> None:
+    """Four tables share 3 blocks; two of them share 9. The group reads the common 3 once."""
+    batch = make_batch(
+        [1, 1, 1, 1], [9 * 16 + 4, 12 * 16, 3 * 16 + 1, 10 * 16 + 15],
+        num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, seed=5,
+    )  # fmt: skip
+    batch = share_prefix(batch, [0, 1, 2, 3], 3)
+    batch = share_prefix(batch, [0, 1, 3], 9)
+    backend = TorchBackend()
+    run_and_compare(batch, backend=backend)
+    assert shared_group_sizes(backend) == [(4, 3)]
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 64 * 1024, 1 << 30])
+@pytest.mark.parametrize("consecutive", [False, True])
+def test_several_groups_with_prefills_and_private_decodes(
+    chunk_bytes: int, consecutive: bool
+) -> None:
+    others = [(1, 37), (12, 80), (1, 5), (1, 200), (30, 30), (1, 64), (1, 1)]
+    batch = shared_batch(
+        [(6, 4, [3, 40, 17]), (2, 11, [8, 1]), (9, 1, [1, 100, 16, 50])], others,
+        block_size=16, head_dim=64, seed=11, consecutive=consecutive,
+    )  # fmt: skip
+    backend = TorchBackend(chunk_bytes=chunk_bytes)
+    run_and_compare(batch, backend=backend)
+    assert shared_group_sizes(backend) == [(2, 11), (6, 4), (9, 1)]
+
+
+def test_prefill_reading_a_shared_prefix() -> None:
+    """A prefill chunk after a prefix-cache hit reads the shared blocks through its table."""
+    batch = make_batch(
+        [1, 20, 1], [70, 84, 50], num_heads=8, num_kv_heads=4, head_dim=32, block_size=8, seed=2
+    )
+    batch = share_prefix(batch, [0, 1, 2], 6)
+    backend = TorchBackend()
+    run_and_compare(batch, backend=backend)
+    assert shared_group_sizes(backend) == [(2, 6)]
+
+
+@pytest.mark.parametrize("window", [1, 20, 100, 10_000])
+def test_shared_prefix_with_sliding_window_falls_back(window: int) -> None:
+    batch = shared_batch([(5, 6, [1, 9, 30])], [(1, 40), (7, 60)], block_size=8, seed=window)
+    backend = TorchBackend()
+    run_and_compare(batch, sliding_window=window, backend=backend)
+    assert shared_group_sizes(backend) == []
+
+
+@pytest.mark.parametrize(
+    ("dtype", "atol", "rtol"),
+    [(torch.float64, 1e-12, 1e-10), (torch.bfloat16, 2e-2, 2e-2), (torch.float16, 2e-2, 2e-2)],
+)
+def test_shared_prefix_dtypes(dtype: torch.dtype, atol: float, rtol: float) -> None:
+    batch = shared_batch([(4, 5, [2, 19, 40])], [(1, 33)], block_size=16, dtype=dtype)
+    backend = TorchBackend()
+    run_and_compare(batch, atol=atol, rtol=rtol, backend=backend)
+    assert shared_group_sizes(backend) == [(4, 5)]
+
+
+def test_shared_prefix_plan_reused_across_layers() -> None:
+    backend = TorchBackend()
+    first = shared_batch([(3, 4, [5, 20])], [(1, 9)], block_size=8)
+    for _ in range(2):
+        run_and_compare(make_batch_like(first), backend=backend)
+    assert shared_group_sizes(backend) == [(3, 4)]
+    run_and_compare(shared_batch([(2, 2, [1])], [], block_size=8, seed=4), backend=backend)
+    assert shared_group_sizes(backend) == [(2, 2)]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    groups=st.lists(
+        st.tuples(st.integers(2, 12), st.integers(1, 12), st.lists(st.integers(1, 60), min_size=1)),
+        min_size=1,
+        max_size=3,
+    ),
+    others=st.lists(st.tuples(st.integers(1, 30), st.integers(0, 60)), max_size=4),
+    block_size=st.sampled_from([8, 16, 32]),
+    gqa=st.sampled_from([(4, 4), (4, 2), (8, 2)]),
+    chunk_bytes=st.sampled_from([1, 64 * 1024, 1 << 30]),
+    seed=st.integers(0, 2**16),
+)
+def test_random_shared_prefix_batches(
+    groups: list[tuple[int, int, list[int]]],
+    others: list[tuple[int, int]],
+    block_size: int,
+    gqa: tuple[int, int],
+    chunk_bytes: int,
+    seed: int,
+) -> None:
+    other_seqs = [(q, q + extra) for q, extra in others]
+    batch = shared_batch(
+        groups, other_seqs, block_size=block_size, num_heads=gqa[0], num_kv_heads=gqa[1],
+        seed=seed,
+    )  # fmt: skip
+    backend = TorchBackend(chunk_bytes=chunk_bytes)
+    run_and_compare(batch, backend=backend)
+    found = shared_group_sizes(backend)
+    assert sum(n for n, _ in found) >= sum(n for n, _, _ in groups)
