@@ -135,8 +135,12 @@ def test_poison_job_is_dead_lettered(
             what=f"delivery {delivery} running",
         )
         w.kill()
-    start_worker(redis_url, model_dir, "p", *args)
-    rec = client.wait(jid, timeout=30)
+    w = start_worker(redis_url, model_dir, "p", *args)
+    try:
+        rec = client.wait(jid, timeout=30)
+    except TimeoutError:
+        print("DEBUG", client.r.hgetall(client.keys.job(jid)), w.log())
+        raise
     assert rec.status == JobStatus.FAILED
     assert rec.error is not None and "dead-lettered" in rec.error and "max 2" in rec.error
     dead = client.store.dead_letters()

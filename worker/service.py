@@ -76,7 +76,9 @@ class ServiceConfig:
     progress_interval_s: float = 0.05  # at most one progress write per job per interval
     heartbeat_s: float = 1.0
     idle_block_ms: int = 100  # blocking claim when the engine is idle
-    claim_interval_s: float = 0.005  # least time between non-blocking claims while busy
+    # Least time between non-blocking claims while busy after one found nothing (a claim that
+    # found jobs is repeated at once); new work waits at most this long for a busy worker.
+    claim_interval_s: float = 0.05
     throughput_window_s: float = 10.0
 
     @property
