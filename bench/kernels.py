@@ -6,6 +6,8 @@ project benchmarks):
 * decode at (batch 64, ctx 512) and (batch 256, ctx 256): milliseconds, achieved GB/s of K/V
   read, and the ratio against a dense SDPA over contiguous K/V of the same shape (same process);
 * prefill of 512 fresh tokens, and a 512-token chunk after 512 cached tokens;
+* ``shared_prefix``: 32 decodes sharing 1024 cached tokens (the same physical blocks) plus 32
+  private tokens each, the cascade path against the gathered path (same process);
 * the machine's memcpy bandwidth (bytes read per second while copying a buffer the size of the
   decode K/V), measured alongside, since the machine is shared and its bandwidth drifts.
 
@@ -26,7 +28,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.testing import make_metadata
+from kernels.testing import make_batch, make_metadata, share_prefix
 from kernels.torch_backend import TorchBackend
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 4, 64, 16
@@ -128,6 +130,40 @@ def bench_prefill(chunk: int, prefix: int, repeats: int) -> dict[str, float]:
     return {"ms": round(ours * 1e3, 3), "dense_sdpa_ms": round(dense * 1e3, 3)}
 
 
+def bench_shared_prefix(
+    num_seqs: int, prefix: int, tail: int, repeats: int
+) -> dict[str, float | int]:
+    """Decode of ``num_seqs`` sequences whose first ``prefix`` tokens are the same cached blocks
+    (prefix caching), each with ``tail`` private tokens: cascade vs the gathered path."""
+    blocks = prefix // BLOCK_SIZE
+    batch = make_batch(
+        [1] * num_seqs, [prefix + tail] * num_seqs, num_heads=NUM_HEADS,
+        num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK_SIZE, seed=2,
+    )  # fmt: skip
+    batch = share_prefix(batch, list(range(num_seqs)), blocks)
+    scale = HEAD_DIM**-0.5
+
+    def timed(backend: TorchBackend) -> float:
+        return median_seconds(
+            lambda: backend.paged_attention(
+                batch.query, batch.key, batch.value, batch.k_cache, batch.v_cache, batch.meta,
+                scale,
+            ),
+            repeats,
+        )  # fmt: skip
+
+    cascade = timed(TorchBackend())
+    gathered = timed(TorchBackend(shared_prefix=False))
+    return {
+        "num_seqs": num_seqs,
+        "shared_tokens": prefix,
+        "private_tokens": tail,
+        "ms": round(cascade * 1e3, 3),
+        "gathered_ms": round(gathered * 1e3, 3),
+        "speedup": round(gathered / cascade, 2),
+    }
+
+
 def bench_triton_decode(batch: int, ctx: int, repeats: int) -> dict[str, float]:
     """Triton decode on CUDA, Llama-8B-like heads (32 / 8 / 128), bf16, block_size 16."""
     from kernels.triton_backend import TritonBackend
@@ -195,6 +231,7 @@ def main() -> None:
         "decode": decode,
         "prefill_512": bench_prefill(512, 0, args.repeats),
         "prefill_512_after_512_cached": bench_prefill(512, 512, args.repeats),
+        "shared_prefix": bench_shared_prefix(32, 1024, 32, args.repeats),
     }
     print(json.dumps(result))
 

@@ -250,12 +250,13 @@ def _make_decode_plan(
     token_bytes: int,
     chunk_bytes: int,
     cdt: torch.dtype,
+    shared_prefix: bool = True,
 ) -> _DecodePlan:
     rows = _decode_rows(plan, meta, block_size, window)
     device = meta.block_tables.device
     shared: list[_SharedGroup] = []
     slot = 0
-    if window is None and len(rows) >= 2:
+    if shared_prefix and window is None and len(rows) >= 2:
         if plan.table_host is None:
             seqs = [b for b, _ in plan.decode_seqs]
             plan.table_host = meta.block_tables[seqs].tolist()
@@ -333,8 +334,9 @@ class TorchBackend:
 
     name = "torch"
 
-    def __init__(self, chunk_bytes: int = CHUNK_BYTES) -> None:
+    def __init__(self, chunk_bytes: int = CHUNK_BYTES, shared_prefix: bool = True) -> None:
         self._chunk_bytes = chunk_bytes
+        self._shared_prefix = shared_prefix  # False: every decode gathers its whole context
         self._plan_meta: AttentionMetadata | None = None
         self._plan_block_size = 0
         self._plan = _Plan()
@@ -384,7 +386,14 @@ class TorchBackend:
         decode = plan.decode.get(key)
         if decode is None:
             decode = _make_decode_plan(
-                plan, meta, k_cache.shape[1], window, token_bytes, self._chunk_bytes, cdt
+                plan,
+                meta,
+                k_cache.shape[1],
+                window,
+                token_bytes,
+                self._chunk_bytes,
+                cdt,
+                self._shared_prefix,
             )
             plan.decode[key] = decode
         return decode
