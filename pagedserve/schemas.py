@@ -9,7 +9,7 @@ import json
 from enum import StrEnum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pagedserve.keys import Priority
 from pagedserve.params import SamplingParams
@@ -171,3 +171,17 @@ class DeltaEvent(BaseModel):
     token_ids: list[int] = Field(default_factory=list)
     tokens_generated: int = 0
     status: JobStatus | None = None
+
+
+#: Stands in for a leased job's request that does not parse; such a job is failed at once.
+UNPARSABLE_REQUEST = JobRequest(prompt=[0])
+
+
+def short_validation_error(e: ValidationError, limit: int = 5) -> str:
+    """A one-line summary of a pydantic error: ``field: message; ...``."""
+    parts = []
+    for err in e.errors()[:limit]:
+        loc = ".".join(str(x) for x in err.get("loc", ())) or "request"
+        parts.append(f"{loc}: {err.get('msg', 'invalid')}")
+    more = f" (+{e.error_count() - limit} more)" if e.error_count() > limit else ""
+    return "; ".join(parts) + more

@@ -20,16 +20,19 @@ from importlib import resources
 from typing import Any, Literal
 
 import redis
+from pydantic import ValidationError
 from redis.commands.core import Script
 
 from pagedserve.keys import GROUP, PRIORITIES, Keys, Priority
 from pagedserve.redis_util import connect
 from pagedserve.schemas import (
     TERMINAL_STATUSES,
+    UNPARSABLE_REQUEST,
     JobRecord,
     JobRequest,
     JobResult,
     JobStatus,
+    short_validation_error,
 )
 
 log = logging.getLogger(__name__)
@@ -176,6 +179,7 @@ class JobStore:
         # Per consumer and stream: where re-reading the consumer's own pending entries has got
         # to ("0" at first, None once exhausted). Only the first claims after a start read them.
         self._pending_cursor: dict[tuple[str, str], str | None] = {}
+        self.malformed: list[tuple[Lease, str]] = []
         # Entries delivered to a consumer beyond what it asked for (a blocking read can return one
         # per stream); they are leased first at the next claim.
         self._stash: dict[str, list[tuple[str, str]]] = {}
@@ -415,24 +419,49 @@ class JobStore:
         for (stream, eid, job_id), reply in zip(live, self._exec(calls), strict=True):
             assert job_id is not None
             kind = reply[0]
-            if kind == "ok":
-                leases.append(
-                    Lease(
-                        job_id=job_id,
-                        fence=int(reply[1]),
-                        consumer=consumer,
-                        priority=stream.rsplit(":", 1)[1],  # type: ignore[arg-type]
-                        entry_id=eid,
-                        request=JobRequest.model_validate_json(reply[2]),
-                        deliveries=int(reply[3]),
-                    )
-                )
-            elif kind == "dead":
+            if kind == "dead":
                 self.stats.dead_lettered += 1
                 log.warning("job %s dead-lettered: %s", job_id, reply[1])
-            else:
+                continue
+            if kind != "ok":
                 self.stats.skipped += 1
+                continue
+            reason = None
+            try:
+                request = JobRequest.model_validate_json(reply[2] or "")
+            except ValidationError as e:
+                request, reason = UNPARSABLE_REQUEST, short_validation_error(e)
+            lease = Lease(
+                job_id=job_id,
+                fence=int(reply[1]),
+                consumer=consumer,
+                priority=stream.rsplit(":", 1)[1],  # type: ignore[arg-type]
+                entry_id=eid,
+                request=request,
+                deliveries=int(reply[3]),
+            )
+            if reason is not None:
+                # Leased (so owned and fenced) but handed over apart, to be failed at once.
+                self.malformed.append((lease, f"invalid request: {reason}"))
+                continue
+            leases.append(lease)
         return leases
+
+    def take_malformed(self) -> list[tuple[Lease, str]]:
+        """Leases whose stored request does not parse, with the reason (cleared on read)."""
+        out, self.malformed = self.malformed, []
+        return out
+
+    def own_pending_read(self, consumer: str) -> bool:
+        """Whether claims have re-read every pending entry ``consumer`` left from an earlier run.
+
+        Until then a worker must not reclaim: XAUTOCLAIM would hand it those same entries, and
+        the pending re-read would then lease them a second time.
+        """
+        return all(
+            self._pending_cursor.get((consumer, self.keys.stream(p)), "0") is None
+            for p in PRIORITIES
+        )
 
     # ----------------------------------------------------------------------------- worker: writes
     def renew(self, leases: Sequence[Lease]) -> list[str]:

@@ -3,4 +3,5 @@
 pytest_plugins = [
     "tests.fixtures.redis_server",
     "tests.fixtures.models",
+    "tests.fixtures.workers",
 ]

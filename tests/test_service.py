@@ -13,7 +13,6 @@ from pagedserve.schemas import JobStatus
 from tests.fixtures.workers import (
     TEST_WORKER_ARGS,
     StartWorker,
-    start_worker_fixture,  # noqa: F401 (until conftest registers it)
 )
 from worker.engine import Engine
 from worker.outputs import EngineConfig

@@ -14,7 +14,6 @@ from pagedserve.store import JobStore
 from tests.fixtures.redis_server import RedisFactory
 from tests.fixtures.workers import (
     StartWorker,
-    start_worker_fixture,  # noqa: F401 (until conftest registers it)
 )
 
 SHORT = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}

@@ -34,11 +34,10 @@ import redis
 from pydantic import ValidationError
 
 from pagedserve import openai_format
-from pagedserve.keys import GROUP, PRIORITIES
 from pagedserve.redis_util import default_url
-from pagedserve.schemas import Completion, JobRequest, JobResult
+from pagedserve.schemas import Completion, JobResult
 from pagedserve.schemas import TokenLogprob as WireLogprob
-from pagedserve.store import Call, Entry, Finish, JobStore, Lease, Progress
+from pagedserve.store import Finish, JobStore, Lease, Progress
 from pagedserve.telemetry import (
     Histogram,
     PoolSnapshot,
@@ -58,8 +57,6 @@ PREFIX_ENV = "PAGEDSERVE_PREFIX"
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
 #: Most jobs leased by one claim call.
 MAX_CLAIM = 64
-#: A placeholder request for a lease whose stored request does not parse (it is failed at once).
-_UNPARSABLE = JobRequest(prompt=[0])
 
 
 @dataclass(slots=True)
@@ -88,79 +85,6 @@ class ServiceConfig:
     @property
     def reclaim_interval_s(self) -> float:
         return max(0.2, self.reclaim_ms / 3 / 1e3)
-
-
-class WorkerStore(JobStore):
-    """A :class:`JobStore` whose claims never raise on a malformed stored request.
-
-    Such a job is leased like any other (so it is fenced and owned) and handed to the worker in
-    :attr:`malformed` with the reason, to be failed at once.
-    """
-
-    def __init__(self, *args: Any, **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self.malformed: list[tuple[Lease, str]] = []
-
-    def own_pending_read(self, consumer: str) -> bool:
-        """Whether claims have re-read all of ``consumer``'s pending entries left by a previous
-        process. Until then the worker must not reclaim: XAUTOCLAIM would hand it those same
-        entries, and the pending re-read would then lease them a second time."""
-        return all(
-            (consumer, self.keys.stream(p)) in self._pending_cursor
-            and self._pending_cursor[(consumer, self.keys.stream(p))] is None
-            for p in PRIORITIES
-        )
-
-    def _lease_entries(self, consumer: str, entries: Sequence[Entry]) -> list[Lease]:
-        calls: list[Call] = []
-        live: list[tuple[str, str, str]] = []
-        for stream, eid, job_id in entries:
-            if job_id is None:
-                self.r.xack(stream, GROUP, eid)
-                continue
-            live.append((stream, eid, job_id))
-            keys = [self.keys.job(job_id), stream, self.keys.dead, self.keys.events(job_id)]
-            args = [
-                consumer,
-                GROUP,
-                eid,
-                self.lease_ms,
-                self.max_deliveries,
-                self.retention_s,
-                self.events_maxlen,
-            ]
-            calls.append(("lease", keys, args))
-        leases: list[Lease] = []
-        for (stream, eid, job_id), reply in zip(live, self._exec(calls), strict=True):
-            kind = reply[0]
-            if kind == "dead":
-                self.stats.dead_lettered += 1
-                log.warning("job %s dead-lettered: %s", job_id, reply[1])
-                continue
-            if kind != "ok":
-                self.stats.skipped += 1
-                continue
-            prio = stream.rsplit(":", 1)[1]
-            base = dict(job_id=job_id, fence=int(reply[1]), consumer=consumer, entry_id=eid)
-            try:
-                request = JobRequest.model_validate_json(reply[2] or "")
-            except ValidationError as e:
-                lease = Lease(**base, priority=prio, request=_UNPARSABLE, deliveries=int(reply[3]))  # type: ignore[arg-type]
-                self.malformed.append((lease, f"invalid request: {_short_validation(e)}"))
-                continue
-            leases.append(
-                Lease(**base, priority=prio, request=request, deliveries=int(reply[3]))  # type: ignore[arg-type]
-            )
-        return leases
-
-
-def _short_validation(e: ValidationError) -> str:
-    parts = []
-    for err in e.errors()[:5]:
-        loc = ".".join(str(x) for x in err.get("loc", ())) or "request"
-        parts.append(f"{loc}: {err.get('msg', 'invalid')}")
-    more = f" (+{e.error_count() - 5} more)" if e.error_count() > 5 else ""
-    return "; ".join(parts) + more
 
 
 @dataclass
@@ -269,7 +193,7 @@ def batch_finish_fields(
 class Worker:
     """The service loop: Redis jobs in, engine steps, fenced results out."""
 
-    def __init__(self, engine: Engine, store: WorkerStore, cfg: ServiceConfig) -> None:
+    def __init__(self, engine: Engine, store: JobStore, cfg: ServiceConfig) -> None:
         self.engine = engine
         self.store = store
         self.cfg = cfg
@@ -345,12 +269,8 @@ class Worker:
         created = self._created_at([x.job_id for x in leases]) if leases else []
         for lease, created_at in zip(leases, created, strict=True):
             self._admit_one(lease, created_at)
-        for lease, reason in self._take_malformed():
+        for lease, reason in self.store.take_malformed():
             self._fail(lease, reason)
-
-    def _take_malformed(self) -> list[tuple[Lease, str]]:
-        out, self.store.malformed = self.store.malformed, []
-        return out
 
     def _created_at(self, job_ids: list[str]) -> list[float]:
         pipe = self.store.r.pipeline(transaction=False)
@@ -656,7 +576,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         grace_s=args.grace_s,
         progress_interval_s=args.progress_interval_ms / 1e3,
     )
-    store = WorkerStore(
+    store = JobStore(
         cfg.redis_url,
         prefix=cfg.prefix,
         lease_ms=cfg.lease_ms,
