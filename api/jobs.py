@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import re
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 from flask import Blueprint, Response, request, stream_with_context, url_for
@@ -72,18 +71,6 @@ def cancel_job(job_id: str) -> dict[str, Any]:
     return {"id": job_id, "object": "job", "status": status.value}
 
 
-def _event(entry_id: str, f: Mapping[str, str]) -> DeltaEvent:
-    return DeltaEvent(
-        id=entry_id,
-        type=f["type"],  # type: ignore[arg-type]
-        index=int(f.get("index", 0)),
-        text=f.get("text", ""),
-        token_ids=json.loads(f["token_ids"]) if f.get("token_ids") else [],
-        tokens_generated=int(f.get("tokens", 0)),
-        status=JobStatus(f["status"]) if f.get("status") else None,
-    )
-
-
 def _entries(reply: Any) -> list[tuple[str, dict[str, str]]]:
     """An XREAD reply for one stream (RESP2 list or RESP3 dict) -> its entries."""
     entries: list[tuple[str, dict[str, str]]] = []
@@ -107,7 +94,7 @@ def follow(state: AppState, job_id: str, last: str) -> Iterator[str]:
         entries = _entries(reply)
         for entry_id, fields in entries:
             last = entry_id
-            ev = _event(entry_id, fields)
+            ev = DeltaEvent.from_stream(entry_id, fields)
             yield sse(ev)
             if ev.type == "end":
                 return

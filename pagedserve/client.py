@@ -5,7 +5,6 @@ Works without torch; talks only to Redis (through :class:`~pagedserve.store.JobS
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -64,18 +63,6 @@ def build_request(
     else:
         fields["prompt"] = prompt_or_messages
     return JobRequest.model_validate(fields)
-
-
-def _event(entry_id: str, f: Mapping[str, str]) -> DeltaEvent:
-    return DeltaEvent(
-        id=entry_id,
-        type=f["type"],  # type: ignore[arg-type]
-        index=int(f.get("index", 0)),
-        text=f.get("text", ""),
-        token_ids=json.loads(f["token_ids"]) if f.get("token_ids") else [],
-        tokens_generated=int(f.get("tokens", 0)),
-        status=JobStatus(f["status"]) if f.get("status") else None,
-    )
 
 
 class Client:
@@ -219,7 +206,7 @@ class Client:
                 entries = items[0] if items and isinstance(items[0], list) else items
             for entry_id, fields in entries:
                 last = entry_id
-                ev = _event(entry_id, fields)
+                ev = DeltaEvent.from_stream(entry_id, fields)
                 yield ev
                 if ev.type == "end":
                     return

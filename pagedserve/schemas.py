@@ -6,6 +6,7 @@ Everything here is plain JSON on the wire and in Redis (never pickle).
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from enum import StrEnum
 from typing import Any, Literal
 
@@ -171,6 +172,19 @@ class DeltaEvent(BaseModel):
     token_ids: list[int] = Field(default_factory=list)
     tokens_generated: int = 0
     status: JobStatus | None = None
+
+    @classmethod
+    def from_stream(cls, entry_id: str, f: Mapping[str, str]) -> DeltaEvent:
+        """Decode one events-stream entry (its field names are the store's)."""
+        return cls(
+            id=entry_id,
+            type=f["type"],  # type: ignore[arg-type]
+            index=int(f.get("index", 0)),
+            text=f.get("text", ""),
+            token_ids=json.loads(f["token_ids"]) if f.get("token_ids") else [],
+            tokens_generated=int(f.get("tokens", 0)),
+            status=JobStatus(f["status"]) if f.get("status") else None,
+        )
 
 
 #: Stands in for a leased job's request that does not parse; such a job is failed at once.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ from pagedserve.schemas import JobStatus
 from tests.fixtures.workers import (
     TEST_WORKER_ARGS,
     StartWorker,
+    wait_for,
 )
 from worker.engine import Engine
 from worker.outputs import EngineConfig
@@ -48,16 +48,6 @@ def offline(model_dir: Path, prompts: list[str | list[int]], params: SamplingPar
 
 def heartbeat(client: Client, worker_id: str) -> dict:
     return client.store.workers().get(worker_id, {})
-
-
-def wait_for(cond, timeout: float = 30.0, what: str = "condition"):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_results_equal_offline_greedy_and_stream(

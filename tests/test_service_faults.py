@@ -14,6 +14,7 @@ from pagedserve.store import JobStore
 from tests.fixtures.redis_server import RedisFactory
 from tests.fixtures.workers import (
     StartWorker,
+    wait_for,
 )
 
 SHORT = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
@@ -23,16 +24,6 @@ LONG = {"max_tokens": 1900, "temperature": 0, "ignore_eos": True}
 @pytest.fixture
 def model_dir(make_tiny_model) -> Path:  # type: ignore[no-untyped-def]
     return make_tiny_model("llama")
-
-
-def wait_for(cond, timeout: float = 30.0, what: str = "condition"):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def end_events(client: Client, job_id: str) -> list[dict[str, str]]:
