@@ -51,8 +51,8 @@ class _DecodeRow:
 class _Merge:
     """Rows of a decode chunk whose context starts with a shared prefix computed separately."""
 
-    local: torch.Tensor  # int64 [m]: rows of the chunk
-    slots: torch.Tensor  # int64 [m]: rows of the step's shared-prefix results
+    local: torch.Tensor | None  # int64 [m]: rows of the chunk; None: all of them, in order
+    slots: torch.Tensor | slice  # rows of the step's shared-prefix results (a slice if a range)
 
 
 @dataclass
@@ -81,7 +81,6 @@ class _SharedGroup:
 class _DecodePlan:
     shared: list[_SharedGroup]
     chunks: list[_DecodeChunk]
-    num_shared_rows: int
 
 
 @dataclass
@@ -101,6 +100,10 @@ class _Plan:
     # decode work per (sliding_window, bytes of K+V per token, compute dtype)
     decode: dict[tuple[int | None, int, torch.dtype], _DecodePlan] = field(default_factory=dict)
     table_host: list[list[int]] | None = None  # decode rows of the block table, read once
+
+
+def _long(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=device)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -212,11 +215,12 @@ def _make_chunk(
     local = [i for i, r in enumerate(sel) if r.shared_slot >= 0]
     merge = None
     if local:
+        slots = [sel[i].shared_slot for i in local]
         merge = _Merge(
-            local=torch.tensor(local, dtype=torch.long, device=device),
-            slots=torch.tensor(
-                [sel[i].shared_slot for i in local], dtype=torch.long, device=device
-            ),
+            local=None if len(local) == len(sel) else _long(local, device),
+            slots=slice(slots[0], slots[-1] + 1)
+            if slots == list(range(slots[0], slots[-1] + 1))
+            else _long(slots, device),
         )
     return _DecodeChunk(
         token_idx=torch.tensor([r.token_row for r in sel], dtype=torch.long, device=device),
@@ -242,6 +246,37 @@ def _make_shared_group(
     )
 
 
+def _split_shared(
+    plan: _Plan, meta: AttentionMetadata, rows: list[_DecodeRow], block_size: int
+) -> list[_SharedGroup]:
+    """Find the shared-prefix groups; their rows then read only their blocks after the prefix.
+
+    ``rows`` must already be sorted by their final block counts; group members (and so their
+    result slots) follow that order, so a chunk's slots are usually one consecutive range.
+    """
+    if plan.table_host is None:
+        plan.table_host = meta.block_tables[[b for b, _ in plan.decode_seqs]].tolist()
+    by_seq = {b: i for i, (b, _) in enumerate(plan.decode_seqs)}
+    tables = [plan.table_host[by_seq[r.seq_index]] for r in rows]
+    groups = _find_shared_groups(rows, tables, block_size)
+    for members, num_shared in groups:
+        for i in members:
+            rows[i].first_block = num_shared
+            rows[i].num_blocks -= num_shared
+    order = sorted(range(len(rows)), key=lambda i: rows[i].num_blocks)
+    rank = {i: k for k, i in enumerate(order)}
+    shared = []
+    slot = 0
+    device = meta.block_tables.device
+    for members, num_shared in groups:
+        members = sorted(members, key=rank.__getitem__)
+        shared.append(_make_shared_group(rows, members, tables[members[0]][:num_shared], device))
+        for i in members:
+            rows[i].shared_slot = slot
+            slot += 1
+    return shared
+
+
 def _make_decode_plan(
     plan: _Plan,
     meta: AttentionMetadata,
@@ -253,29 +288,16 @@ def _make_decode_plan(
     shared_prefix: bool = True,
 ) -> _DecodePlan:
     rows = _decode_rows(plan, meta, block_size, window)
-    device = meta.block_tables.device
     shared: list[_SharedGroup] = []
-    slot = 0
     if shared_prefix and window is None and len(rows) >= 2:
-        if plan.table_host is None:
-            seqs = [b for b, _ in plan.decode_seqs]
-            plan.table_host = meta.block_tables[seqs].tolist()
-        tables = plan.table_host
-        for members, num_shared in _find_shared_groups(rows, tables, block_size):
-            prefix = tables[members[0]][:num_shared]
-            shared.append(_make_shared_group(rows, members, prefix, device))
-            for i in members:
-                rows[i].first_block = num_shared
-                rows[i].num_blocks -= num_shared
-                rows[i].shared_slot = slot
-                slot += 1
+        shared = _split_shared(plan, meta, rows, block_size)
     rows.sort(key=lambda r: r.num_blocks)
     table = meta.block_tables.to(torch.long)
     chunks = [
         _make_chunk([rows[i] for i in group], table, block_size, window, cdt)
         for group in _chunk_rows(rows, block_size * token_bytes, chunk_bytes)
     ]
-    return _DecodePlan(shared=shared, chunks=chunks, num_shared_rows=slot)
+    return _DecodePlan(shared=shared, chunks=chunks)
 
 
 def _flash(
@@ -294,16 +316,21 @@ def _merge_into(
     shared_o: torch.Tensor,
     shared_lse: torch.Tensor,
 ) -> torch.Tensor:
-    """Combine the chunk's partial results with the shared-prefix ones, exactly, by LSE weights."""
-    o1 = o.index_select(0, merge.local)
-    l1 = lse.index_select(0, merge.local)
-    o2 = shared_o.index_select(0, merge.slots)
-    l2 = shared_lse.index_select(0, merge.slots)
-    total = torch.logaddexp(l1, l2)
-    merged = o1 * torch.exp(l1 - total).unsqueeze(-1) + o2 * torch.exp(l2 - total).unsqueeze(-1)
-    if merge.local.shape[0] == o.shape[0]:
-        return merged
-    return o.index_copy(0, merge.local, merged)
+    """Combine the chunk's partial results with the shared-prefix ones, exactly, by LSE weights.
+
+    With ``w = exp(l1) / (exp(l1) + exp(l2)) = sigmoid(l1 - l2)`` the merged output is
+    ``lerp(o2, o1, w)``: three ops, no overflow.
+    """
+    whole = merge.local is None
+    o1 = o if whole else o.index_select(0, merge.local)
+    l1 = lse if whole else lse.index_select(0, merge.local)
+    if isinstance(merge.slots, slice):
+        o2, l2 = shared_o[merge.slots], shared_lse[merge.slots]
+    else:
+        o2, l2 = shared_o.index_select(0, merge.slots), shared_lse.index_select(0, merge.slots)
+    weight = torch.sigmoid(l1 - l2).unsqueeze(-1)
+    merged = torch.lerp(o2, o1, weight)
+    return merged if whole else o.index_copy(0, merge.local, merged)
 
 
 class _Workspace:
@@ -377,7 +404,7 @@ class TorchBackend:
         self._plan, self._plan_meta, self._plan_block_size = plan, meta, block_size
         return plan
 
-    def _get_decode_plan(
+    def _get_decode_chunks(
         self, meta: AttentionMetadata, k_cache: torch.Tensor, window: int | None, cdt: torch.dtype
     ) -> _DecodePlan:
         plan = self._get_plan(meta, k_cache.shape[1])
@@ -417,7 +444,7 @@ class TorchBackend:
         plan = self._get_plan(meta, k_cache.shape[1])
         if plan.decode_seqs:
             cdt = _compute_dtype(query.dtype)
-            decode = self._get_decode_plan(meta, k_cache, sliding_window, cdt)
+            decode = self._get_decode_chunks(meta, k_cache, sliding_window, cdt)
             shared = self._shared_prefixes(query, k_cache, v_cache, decode, scale, cdt)
             for chunk in decode.chunks:
                 o, lse = self._decode_chunk(query, k_cache, v_cache, chunk, scale, cdt)
