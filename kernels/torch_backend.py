@@ -78,9 +78,21 @@ class _SharedGroup:
 
 
 @dataclass
+class _PrefillWork:
+    """How one prefill chunk runs this step (per window / dtype / GQA ratio)."""
+
+    first_block: int  # first block read from the cache (after a shared prefix or the window)
+    mask: torch.Tensor | None  # additive [1, 1, per_kv * q, L], query heads folded; None: causal
+    slots: slice | None  # rows of the step's shared-prefix results, None when not shared
+
+
+@dataclass
 class _DecodePlan:
+    """A step's work for one (window, cache dtype, compute dtype, GQA ratio)."""
+
     shared: list[_SharedGroup]
     chunks: list[_DecodeChunk]
+    prefill: list[_PrefillWork]
 
 
 @dataclass
@@ -98,8 +110,10 @@ class _Plan:
     prefill: list[_Prefill] = field(default_factory=list)
     decode_seqs: list[tuple[int, int]] = field(default_factory=list)  # (seq_index, token_row)
     # decode work per (sliding_window, bytes of K+V per token, compute dtype)
-    decode: dict[tuple[int | None, int, torch.dtype], _DecodePlan] = field(default_factory=dict)
-    table_host: list[list[int]] | None = None  # decode rows of the block table, read once
+    decode: dict[tuple[int | None, int, torch.dtype, int], _DecodePlan] = field(
+        default_factory=dict
+    )
+    table_host: list[list[int]] | None = None  # the block table, read once per step
 
 
 def _long(values: list[int], device: torch.device) -> torch.Tensor:
@@ -131,23 +145,23 @@ def _common_prefix(tables: list[list[int]], limit: int) -> int:
     return n
 
 
-def _find_shared_groups(
-    rows: list[_DecodeRow], tables: list[list[int]], block_size: int
-) -> list[tuple[list[int], int]]:
-    """``(row indices, shared full blocks)`` for sequences whose tables start alike.
+def _find_shared_groups(limits: list[int], tables: list[list[int]]) -> list[tuple[list[int], int]]:
+    """``(member indices, shared full blocks)`` for sequences whose tables start alike.
 
-    Rows are grouped by their first block id; the group's prefix is the common leading run of
-    identical block ids, kept strictly before each member's last (partly private) block.
+    Candidates are grouped by their first block id; a group's prefix is the common leading run
+    of identical block ids, at most each member's ``limit`` (the full blocks that every one of
+    its queries sees whole: for a decode, those before its last block; for a prefill, its cached
+    full blocks).
     """
     by_first: dict[int, list[int]] = {}
-    for i, row in enumerate(rows):
-        if (row.seq_len - 1) // block_size >= 1:
+    for i, limit in enumerate(limits):
+        if limit >= 1:
             by_first.setdefault(tables[i][0], []).append(i)
     groups = []
     for members in by_first.values():
         if len(members) < 2:
             continue
-        limit = min((rows[i].seq_len - 1) // block_size for i in members)
+        limit = min(limits[i] for i in members)
         shared = _common_prefix([tables[i] for i in members], limit)
         if shared >= 1:
             groups.append((members, shared))
@@ -232,14 +246,12 @@ def _make_chunk(
 
 
 def _make_shared_group(
-    rows: list[_DecodeRow], members: list[int], prefix: list[int], device: torch.device
+    token_rows: list[int], prefix: list[int], device: torch.device
 ) -> _SharedGroup:
     first_id = prefix[0]
     return _SharedGroup(
-        token_idx=torch.tensor(
-            [rows[i].token_row for i in members], dtype=torch.long, device=device
-        ),
-        block_ids=torch.tensor(prefix, dtype=torch.long, device=device),
+        token_idx=_long(token_rows, device),
+        block_ids=_long(prefix, device),
         first_id=first_id,
         contiguous=prefix == list(range(first_id, first_id + len(prefix))),
         num_blocks=len(prefix),
@@ -248,33 +260,71 @@ def _make_shared_group(
 
 def _split_shared(
     plan: _Plan, meta: AttentionMetadata, rows: list[_DecodeRow], block_size: int
-) -> list[_SharedGroup]:
-    """Find the shared-prefix groups; their rows then read only their blocks after the prefix.
+) -> tuple[list[_SharedGroup], list[tuple[int, slice] | None]]:
+    """Find the shared-prefix groups among decodes and prefills.
 
-    ``rows`` must already be sorted by their final block counts; group members (and so their
-    result slots) follow that order, so a chunk's slots are usually one consecutive range.
+    Decode rows then read only their blocks after the prefix (``rows`` are updated). Returns the
+    groups and, per prefill, ``(shared blocks, its rows of the shared results)`` or None. Group
+    members follow the decode rows' final order, so a chunk's slots are usually one range.
     """
     if plan.table_host is None:
-        plan.table_host = meta.block_tables[[b for b, _ in plan.decode_seqs]].tolist()
-    by_seq = {b: i for i, (b, _) in enumerate(plan.decode_seqs)}
-    tables = [plan.table_host[by_seq[r.seq_index]] for r in rows]
-    groups = _find_shared_groups(rows, tables, block_size)
+        plan.table_host = meta.block_tables.tolist()
+    tables = [plan.table_host[r.seq_index] for r in rows]
+    tables += [plan.table_host[pre.seq_index] for pre in plan.prefill]
+    limits = [(r.seq_len - 1) // block_size for r in rows]
+    limits += [(pre.seq_len - pre.query_len) // block_size for pre in plan.prefill]
+    groups = _find_shared_groups(limits, tables)
+    n = len(rows)
     for members, num_shared in groups:
         for i in members:
-            rows[i].first_block = num_shared
-            rows[i].num_blocks -= num_shared
-    order = sorted(range(len(rows)), key=lambda i: rows[i].num_blocks)
-    rank = {i: k for k, i in enumerate(order)}
+            if i < n:
+                rows[i].first_block = num_shared
+                rows[i].num_blocks -= num_shared
+    rank = {i: k for k, i in enumerate(sorted(range(n), key=lambda i: rows[i].num_blocks))}
     shared = []
+    prefill: list[tuple[int, slice] | None] = [None] * len(plan.prefill)
     slot = 0
-    device = meta.block_tables.device
     for members, num_shared in groups:
-        members = sorted(members, key=rank.__getitem__)
-        shared.append(_make_shared_group(rows, members, tables[members[0]][:num_shared], device))
-        for i in members:
-            rows[i].shared_slot = slot
-            slot += 1
-    return shared
+        token_rows: list[int] = []
+        for i in sorted(members, key=lambda i: rank.get(i, n + i)):
+            if i < n:
+                rows[i].shared_slot = slot
+                token_rows.append(rows[i].token_row)
+                slot += 1
+            else:
+                pre = plan.prefill[i - n]
+                prefill[i - n] = (num_shared, slice(slot, slot + pre.query_len))
+                token_rows.extend(range(pre.start, pre.start + pre.query_len))
+                slot += pre.query_len
+        prefix = tables[members[0]][:num_shared]
+        shared.append(_make_shared_group(token_rows, prefix, meta.block_tables.device))
+    return shared, prefill
+
+
+def _prefill_work(
+    pre: _Prefill,
+    shared: tuple[int, slice] | None,
+    block_size: int,
+    window: int | None,
+    cdt: torch.dtype,
+    per_kv: int,
+    device: torch.device,
+) -> _PrefillWork:
+    """Read from block ``first`` on (after a shared prefix / before the window's first block);
+    the mask, with the ``per_kv`` query heads of a KV head folded into rows, is built here once."""
+    first, slots = shared if shared is not None else (0, None)
+    if window is not None and shared is None:
+        first = max(0, pre.seq_len - pre.query_len - window + 1) // block_size
+    if pre.seq_len == pre.query_len and window is None:
+        return _PrefillWork(first_block=0, mask=None, slots=None)
+    q_pos = torch.arange(pre.seq_len - pre.query_len, pre.seq_len, device=device)
+    k_pos = torch.arange(first * block_size, pre.seq_len, device=device)
+    allowed = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        allowed &= k_pos[None, :] > q_pos[:, None] - window
+    mask = torch.zeros(allowed.shape, dtype=cdt, device=device)
+    mask.masked_fill_(~allowed, float("-inf"))
+    return _PrefillWork(first, mask.repeat(per_kv, 1)[None, None], slots)
 
 
 def _make_decode_plan(
@@ -285,19 +335,26 @@ def _make_decode_plan(
     token_bytes: int,
     chunk_bytes: int,
     cdt: torch.dtype,
+    per_kv: int,
     shared_prefix: bool = True,
 ) -> _DecodePlan:
     rows = _decode_rows(plan, meta, block_size, window)
     shared: list[_SharedGroup] = []
-    if shared_prefix and window is None and len(rows) >= 2:
-        shared = _split_shared(plan, meta, rows, block_size)
+    prefill_shared: list[tuple[int, slice] | None] = [None] * len(plan.prefill)
+    if shared_prefix and window is None and len(rows) + len(plan.prefill) >= 2:
+        shared, prefill_shared = _split_shared(plan, meta, rows, block_size)
     rows.sort(key=lambda r: r.num_blocks)
     table = meta.block_tables.to(torch.long)
     chunks = [
         _make_chunk([rows[i] for i in group], table, block_size, window, cdt)
         for group in _chunk_rows(rows, block_size * token_bytes, chunk_bytes)
     ]
-    return _DecodePlan(shared=shared, chunks=chunks)
+    device = meta.block_tables.device
+    prefill = [
+        _prefill_work(pre, sh, block_size, window, cdt, per_kv, device)
+        for pre, sh in zip(plan.prefill, prefill_shared, strict=True)
+    ]
+    return _DecodePlan(shared=shared, chunks=chunks, prefill=prefill)
 
 
 def _flash(
@@ -405,11 +462,17 @@ class TorchBackend:
         return plan
 
     def _get_decode_chunks(
-        self, meta: AttentionMetadata, k_cache: torch.Tensor, window: int | None, cdt: torch.dtype
+        self,
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor,
+        window: int | None,
+        cdt: torch.dtype,
+        per_kv: int,
     ) -> _DecodePlan:
+        """The step's shared-prefix groups, decode chunks and prefill work (planned once)."""
         plan = self._get_plan(meta, k_cache.shape[1])
         token_bytes = 2 * k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()
-        key = (window, token_bytes, cdt)
+        key = (window, token_bytes, cdt, per_kv)
         decode = plan.decode.get(key)
         if decode is None:
             decode = _make_decode_plan(
@@ -420,6 +483,7 @@ class TorchBackend:
                 token_bytes,
                 self._chunk_bytes,
                 cdt,
+                per_kv,
                 self._shared_prefix,
             )
             plan.decode[key] = decode
@@ -441,20 +505,22 @@ class TorchBackend:
         out = torch.empty_like(query)
         if query.shape[0] == 0:
             return out
-        plan = self._get_plan(meta, k_cache.shape[1])
-        if plan.decode_seqs:
-            cdt = _compute_dtype(query.dtype)
-            decode = self._get_decode_chunks(meta, k_cache, sliding_window, cdt)
-            shared = self._shared_prefixes(query, k_cache, v_cache, decode, scale, cdt)
-            for chunk in decode.chunks:
-                o, lse = self._decode_chunk(query, k_cache, v_cache, chunk, scale, cdt)
-                if chunk.merge is not None and shared is not None:
-                    o = _merge_into(o, lse, chunk.merge, *shared)
-                out.index_copy_(0, chunk.token_idx, o.to(query.dtype))
-        for pre in plan.prefill:
-            out[pre.start : pre.start + pre.query_len] = self._prefill(
-                query, key, value, k_cache, v_cache, meta, pre, scale, sliding_window
-            )
+        cdt = _compute_dtype(query.dtype)
+        per_kv = query.shape[1] // k_cache.shape[2]
+        work = self._get_decode_chunks(meta, k_cache, sliding_window, cdt, per_kv)
+        shared = self._shared_prefixes(query, k_cache, v_cache, work, scale, cdt)
+        for chunk in work.chunks:
+            o, lse = self._decode_chunk(query, k_cache, v_cache, chunk, scale, cdt)
+            if chunk.merge is not None and shared is not None:
+                o = _merge_into(o, lse, chunk.merge, *shared)
+            out.index_copy_(0, chunk.token_idx, o.to(query.dtype))
+        for pre, pre_work in zip(self._plan.prefill, work.prefill, strict=True):
+            o = self._prefill(query, key, value, k_cache, v_cache, meta, pre, pre_work, scale, cdt)
+            if pre_work.slots is not None and shared is not None:
+                o = _merge_into(o[0], o[1], _Merge(local=None, slots=pre_work.slots), *shared)
+            else:
+                o = o[0]
+            out[pre.start : pre.start + pre.query_len] = o.to(query.dtype)
         return out
 
     def _shared_prefixes(
@@ -565,43 +631,46 @@ class TorchBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         pre: _Prefill,
+        work: _PrefillWork,
         scale: float,
-        sliding_window: int | None,
-    ) -> torch.Tensor:
-        """One prefill chunk: fresh K/V when nothing precedes it, else the gathered context."""
-        cdt = _compute_dtype(query.dtype)
+        cdt: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One prefill chunk: ``([q, H, D], [q, H] log-sum-exp or None)`` in ``cdt``.
+
+        Fresh K/V when nothing precedes the chunk, else the context gathered from the cache from
+        ``work.first_block`` on (after a shared prefix, or where the window starts).
+        """
         s, q_len, seq_len = pre.start, pre.query_len, pre.seq_len
-        q = query[s : s + q_len].to(cdt).transpose(0, 1)  # [H, q, D]
+        _, block_size, num_kv_heads, head_dim = k_cache.shape
+        num_heads = query.shape[1]
         if seq_len == q_len:
-            k = key[s : s + q_len]
-            v = value[s : s + q_len]
+            k, v = key[s : s + q_len], value[s : s + q_len]
         else:
-            _, block_size, num_kv_heads, head_dim = k_cache.shape
             nb = (seq_len + block_size - 1) // block_size
-            blocks = meta.block_tables[pre.seq_index, :nb].to(torch.long)
+            blocks = meta.block_tables[pre.seq_index, work.first_block : nb].to(torch.long)
             k_buf, v_buf = self._workspace.get(
-                (nb, block_size, num_kv_heads, head_dim), k_cache.dtype, k_cache.device
+                (nb - work.first_block, block_size, num_kv_heads, head_dim),
+                k_cache.dtype,
+                k_cache.device,
             )
             torch.index_select(k_cache, 0, blocks, out=k_buf)
             torch.index_select(v_cache, 0, blocks, out=v_buf)
-            k = k_buf.flatten(0, 1)[:seq_len]
-            v = v_buf.flatten(0, 1)[:seq_len]
-        k = k.to(cdt).transpose(0, 1)  # [Hkv, L, D]
-        v = v.to(cdt).transpose(0, 1)
-        mask: torch.Tensor | None = None
-        if sliding_window is not None or seq_len != q_len:
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-            k_pos = torch.arange(seq_len, device=query.device)
-            mask = k_pos[None, :] <= q_pos[:, None]
-            if sliding_window is not None:
-                mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(0),
-            k.unsqueeze(0),
-            v.unsqueeze(0),
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=scale,
-            enable_gqa=q.shape[0] != k.shape[0],
-        )
-        return o[0].transpose(0, 1).to(query.dtype)
+            length = seq_len - work.first_block * block_size
+            k, v = k_buf.flatten(0, 1)[:length], v_buf.flatten(0, 1)[:length]
+        k = k.to(cdt).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+        v = v.to(cdt).transpose(0, 1).unsqueeze(0)
+        q = query[s : s + q_len].to(cdt)
+        if work.mask is None:  # fresh, no window: plain causal
+            o = F.scaled_dot_product_attention(
+                q.transpose(0, 1).unsqueeze(0), k, v, is_causal=True, scale=scale,
+                enable_gqa=num_heads != num_kv_heads,
+            )  # fmt: skip
+            return o[0].transpose(0, 1), None
+        per_kv = num_heads // num_kv_heads
+        # [q, H, D] -> [1, Hkv, per_kv * q, D]: the mask rows repeat per folded head
+        q = q.view(q_len, num_kv_heads, per_kv, head_dim).permute(1, 2, 0, 3)
+        q = q.reshape(1, num_kv_heads, per_kv * q_len, head_dim)
+        o, lse = _flash(q, k, v, work.mask, scale)
+        o = o.reshape(num_kv_heads, per_kv, q_len, head_dim).permute(2, 0, 1, 3)
+        lse = lse.reshape(num_kv_heads, per_kv, q_len).permute(2, 0, 1)
+        return o.reshape(q_len, num_heads, head_dim), lse.reshape(q_len, num_heads).to(cdt)

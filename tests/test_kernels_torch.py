@@ -201,7 +201,7 @@ def test_get_backend_picks_torch_on_cpu() -> None:
 
 
 def shared_group_sizes(backend: TorchBackend) -> list[tuple[int, int]]:
-    """``(sequences, shared blocks)`` of every shared-prefix group the last plan found."""
+    """``(query tokens, shared blocks)`` of every shared-prefix group the last plan found."""
     return sorted(
         (g.token_idx.shape[0], g.num_blocks)
         for decode in backend._plan.decode.values()
@@ -311,14 +311,14 @@ def test_several_groups_with_prefills_and_private_decodes(
 
 
 def test_prefill_reading_a_shared_prefix() -> None:
-    """A prefill chunk after a prefix-cache hit reads the shared blocks through its table."""
+    """A prefill chunk after a prefix-cache hit joins the group: 1 + 20 + 1 query tokens."""
     batch = make_batch(
         [1, 20, 1], [70, 84, 50], num_heads=8, num_kv_heads=4, head_dim=32, block_size=8, seed=2
     )
     batch = share_prefix(batch, [0, 1, 2], 6)
     backend = TorchBackend()
     run_and_compare(batch, backend=backend)
-    assert shared_group_sizes(backend) == [(2, 6)]
+    assert shared_group_sizes(backend) == [(22, 6)]
 
 
 @pytest.mark.parametrize("window", [1, 20, 100, 10_000])
@@ -380,3 +380,25 @@ def test_random_shared_prefix_batches(
     run_and_compare(batch, backend=backend)
     found = shared_group_sizes(backend)
     assert sum(n for n, _ in found) >= sum(n for n, _, _ in groups)
+
+
+@pytest.mark.parametrize("window", [None, 12, 300])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 4), (8, 2)])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_prefills_sharing_a_prefix(
+    window: int | None, num_heads: int, num_kv_heads: int, block_size: int
+) -> None:
+    """Prefill chunks after prefix-cache hits (one of them cached up to the shared prefix only)
+    grouped with decodes; a window falls back to each sequence reading its own context."""
+    shared = 4
+    q_lens = [20, 33, 1, 7, 1, 16]
+    cached = [shared * block_size, shared * block_size + 40, 170, 5 * block_size + 3, 200, 9]
+    s_lens = [q + c for q, c in zip(q_lens, cached, strict=True)]
+    batch = make_batch(
+        q_lens, s_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=32,
+        block_size=block_size, seed=block_size,
+    )  # fmt: skip
+    batch = share_prefix(batch, [0, 1, 2, 3, 4], shared)
+    backend = TorchBackend()
+    run_and_compare(batch, sliding_window=window, backend=backend)
+    assert shared_group_sizes(backend) == ([] if window else [(20 + 33 + 1 + 7 + 1, shared)])
