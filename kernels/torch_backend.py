@@ -82,7 +82,7 @@ class _PrefillWork:
     """How one prefill chunk runs this step (per window / dtype / GQA ratio)."""
 
     first_block: int  # first block read from the cache (after a shared prefix or the window)
-    mask: torch.Tensor | None  # additive [1, 1, per_kv * q, L], query heads folded; None: causal
+    mask: torch.Tensor | None  # additive 0/-inf [1, 1, q, L]; None: plain causal
     slots: slice | None  # rows of the step's shared-prefix results, None when not shared
 
 
@@ -110,9 +110,7 @@ class _Plan:
     prefill: list[_Prefill] = field(default_factory=list)
     decode_seqs: list[tuple[int, int]] = field(default_factory=list)  # (seq_index, token_row)
     # decode work per (sliding_window, bytes of K+V per token, compute dtype)
-    decode: dict[tuple[int | None, int, torch.dtype, int], _DecodePlan] = field(
-        default_factory=dict
-    )
+    decode: dict[tuple[int | None, int, torch.dtype], _DecodePlan] = field(default_factory=dict)
     table_host: list[list[int]] | None = None  # the block table, read once per step
 
 
@@ -307,11 +305,10 @@ def _prefill_work(
     block_size: int,
     window: int | None,
     cdt: torch.dtype,
-    per_kv: int,
     device: torch.device,
 ) -> _PrefillWork:
     """Read from block ``first`` on (after a shared prefix / before the window's first block);
-    the mask, with the ``per_kv`` query heads of a KV head folded into rows, is built here once."""
+    the mask is built here, once per step."""
     first, slots = shared if shared is not None else (0, None)
     if window is not None and shared is None:
         first = max(0, pre.seq_len - pre.query_len - window + 1) // block_size
@@ -324,7 +321,7 @@ def _prefill_work(
         allowed &= k_pos[None, :] > q_pos[:, None] - window
     mask = torch.zeros(allowed.shape, dtype=cdt, device=device)
     mask.masked_fill_(~allowed, float("-inf"))
-    return _PrefillWork(first, mask.repeat(per_kv, 1)[None, None], slots)
+    return _PrefillWork(first, mask[None, None], slots)
 
 
 def _make_decode_plan(
@@ -335,7 +332,6 @@ def _make_decode_plan(
     token_bytes: int,
     chunk_bytes: int,
     cdt: torch.dtype,
-    per_kv: int,
     shared_prefix: bool = True,
 ) -> _DecodePlan:
     rows = _decode_rows(plan, meta, block_size, window)
@@ -351,7 +347,7 @@ def _make_decode_plan(
     ]
     device = meta.block_tables.device
     prefill = [
-        _prefill_work(pre, sh, block_size, window, cdt, per_kv, device)
+        _prefill_work(pre, sh, block_size, window, cdt, device)
         for pre, sh in zip(plan.prefill, prefill_shared, strict=True)
     ]
     return _DecodePlan(shared=shared, chunks=chunks, prefill=prefill)
@@ -360,7 +356,9 @@ def _make_decode_plan(
 def _flash(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """CPU flash attention returning ``(output, logsumexp)``; no GQA, additive float mask."""
+    """CPU flash attention returning ``(output, logsumexp)``: ``[B, H, q, D]`` queries against
+    ``[B, Hkv, L, D]`` keys/values (query head ``h`` reads KV head ``h // (H / Hkv)``), additive
+    float mask broadcast to ``[B, H, q, L]``."""
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, attn_mask=mask, scale=scale
     )
@@ -467,12 +465,11 @@ class TorchBackend:
         k_cache: torch.Tensor,
         window: int | None,
         cdt: torch.dtype,
-        per_kv: int,
     ) -> _DecodePlan:
         """The step's shared-prefix groups, decode chunks and prefill work (planned once)."""
         plan = self._get_plan(meta, k_cache.shape[1])
         token_bytes = 2 * k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()
-        key = (window, token_bytes, cdt, per_kv)
+        key = (window, token_bytes, cdt)
         decode = plan.decode.get(key)
         if decode is None:
             decode = _make_decode_plan(
@@ -483,7 +480,6 @@ class TorchBackend:
                 token_bytes,
                 self._chunk_bytes,
                 cdt,
-                per_kv,
                 self._shared_prefix,
             )
             plan.decode[key] = decode
@@ -506,8 +502,7 @@ class TorchBackend:
         if query.shape[0] == 0:
             return out
         cdt = _compute_dtype(query.dtype)
-        per_kv = query.shape[1] // k_cache.shape[2]
-        work = self._get_decode_chunks(meta, k_cache, sliding_window, cdt, per_kv)
+        work = self._get_decode_chunks(meta, k_cache, sliding_window, cdt)
         shared = self._shared_prefixes(query, k_cache, v_cache, work, scale, cdt)
         for chunk in work.chunks:
             o, lse = self._decode_chunk(query, k_cache, v_cache, chunk, scale, cdt)
@@ -536,7 +531,7 @@ class TorchBackend:
 
         Each group reads its prefix once (a slice of the cache when the blocks are consecutive,
         else one small gather) and runs all its queries against it in one flash-attention call,
-        folding the group's queries into the query-length dimension of each KV head.
+        the group's query tokens (decodes and prefill chunks) making up the query length.
         """
         if not decode.shared:
             return None
@@ -559,9 +554,6 @@ class TorchBackend:
         cdt: torch.dtype,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         _, block_size, num_kv_heads, head_dim = k_cache.shape
-        num_heads = query.shape[1]
-        per_kv = num_heads // num_kv_heads
-        n = group.token_idx.shape[0]
         if group.contiguous:
             k_blocks = k_cache[group.first_id : group.first_id + group.num_blocks]
             v_blocks = v_cache[group.first_id : group.first_id + group.num_blocks]
@@ -577,16 +569,11 @@ class TorchBackend:
         # [L, Hkv, D] -> strided [1, Hkv, L, D]
         k = k_blocks.reshape(length, num_kv_heads, head_dim).to(cdt).transpose(0, 1).unsqueeze(0)
         v = v_blocks.reshape(length, num_kv_heads, head_dim).to(cdt).transpose(0, 1).unsqueeze(0)
-        # [G, H, D] -> [1, Hkv, G * per_kv, D]: head h reads KV head h // per_kv
-        q = query.index_select(0, group.token_idx).to(cdt).view(n, num_kv_heads, per_kv, head_dim)
-        q = q.transpose(0, 1).reshape(1, num_kv_heads, n * per_kv, head_dim)
+        # [G, H, D] -> [1, H, G, D]: the group's tokens become the query length
+        q = query.index_select(0, group.token_idx).to(cdt).transpose(0, 1).unsqueeze(0)
         o, lse = _flash(q, k, v, None, scale)
-        o = (
-            o.view(num_kv_heads, n, per_kv, head_dim)
-            .transpose(0, 1)
-            .reshape(n, num_heads, head_dim)
-        )
-        lse = lse.reshape(num_kv_heads, n, per_kv).transpose(0, 1).reshape(n, num_heads)
+        o = o[0].transpose(0, 1)  # [G, H, D]
+        lse = lse[0].transpose(0, 1)  # [G, H]
         return o, lse.to(cdt)
 
     def _decode_chunk(
@@ -600,8 +587,8 @@ class TorchBackend:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``([n, H, D], [n, H])``: single-token queries over contexts padded to ``num_blocks``.
 
-        The query heads that share a KV head are folded into the query-length dimension, so the
-        flash kernel needs no GQA expansion and returns the log-sum-exp for the prefix merge.
+        The CPU flash kernel reads KV head ``h // (H / Hkv)`` for query head ``h`` (no expansion)
+        and returns the log-sum-exp that the shared-prefix merge needs.
         """
         _, block_size, num_kv_heads, head_dim = k_cache.shape
         num_heads = query.shape[1]
@@ -617,8 +604,7 @@ class TorchBackend:
         # [n, L, Hkv, D] -> strided [n, Hkv, L, D] views: the kernel reads them without a copy
         k = k_buf.view(n, length, num_kv_heads, head_dim).to(cdt).transpose(1, 2)
         v = v_buf.view(n, length, num_kv_heads, head_dim).to(cdt).transpose(1, 2)
-        q = query.index_select(0, chunk.token_idx).to(cdt)
-        q = q.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        q = query.index_select(0, chunk.token_idx).to(cdt).unsqueeze(2)  # [n, H, 1, D]
         o, lse = _flash(q, k, v, chunk.mask, scale)
         return o.reshape(n, num_heads, head_dim), lse.reshape(n, num_heads).to(cdt)
 
@@ -666,11 +652,5 @@ class TorchBackend:
                 enable_gqa=num_heads != num_kv_heads,
             )  # fmt: skip
             return o[0].transpose(0, 1), None
-        per_kv = num_heads // num_kv_heads
-        # [q, H, D] -> [1, Hkv, per_kv * q, D]: the mask rows repeat per folded head
-        q = q.view(q_len, num_kv_heads, per_kv, head_dim).permute(1, 2, 0, 3)
-        q = q.reshape(1, num_kv_heads, per_kv * q_len, head_dim)
-        o, lse = _flash(q, k, v, work.mask, scale)
-        o = o.reshape(num_kv_heads, per_kv, q_len, head_dim).permute(2, 0, 1, 3)
-        lse = lse.reshape(num_kv_heads, per_kv, q_len).permute(2, 0, 1)
-        return o.reshape(q_len, num_heads, head_dim), lse.reshape(q_len, num_heads).to(cdt)
+        o, lse = _flash(q.transpose(0, 1).unsqueeze(0), k, v, work.mask, scale)
+        return o[0].transpose(0, 1), lse[0].transpose(0, 1).to(cdt)
