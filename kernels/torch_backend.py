@@ -4,19 +4,28 @@ Reading the KV cache dominates decode on a CPU, and the blocks of a sequence are
 through the pool, so every plan below is about touching each cached byte as few times as possible
 while it is still in the CPU's caches:
 
+* shared prefixes (cascade): prefix caching maps the common head of many prompts to the same
+  physical blocks. Per step, sequences whose block tables start with the same block id are
+  grouped and their common leading run of block ids (full blocks every member's queries see
+  whole) is found once from the host-side tables. Each layer then reads a group's prefix once (a
+  slice of the cache when its ids are consecutive, else one small gather) and runs all the
+  group's query tokens (decodes and prefill chunks) against it in one flash call that also
+  returns the log-sum-exp; each sequence attends to the rest of its context as below, and the two
+  partial results are merged exactly: ``o = lerp(o_rest, o_prefix, sigmoid(lse_prefix -
+  lse_rest))``. With a sliding window nothing is shared (every sequence reads its own window).
 * decode tokens (``query_len == 1``) are sorted by the number of blocks they read and cut into
   *chunks* of a few MiB of K/V each. A chunk gathers its blocks with one ``index_select`` per
   cache into a reused workspace (so no page faults from fresh allocations), and runs one batched
-  ``scaled_dot_product_attention`` (GQA, length mask) on strided views of it while the gathered
-  bytes are still in L2/L3. Measured on 2 EPYC cores, chunking alone halves the time compared with
-  gathering the whole batch first.
+  CPU flash attention (native GQA, additive length mask) on strided views of it while the
+  gathered bytes are still in L2/L3. Measured on 2 EPYC cores, chunking alone halves the time
+  compared with gathering the whole batch first.
 * prefill chunks (``query_len > 1``) are few per step and run one by one: straight on the step's
   fresh keys/values with a causal SDPA when nothing is cached before the chunk, else on the
-  context gathered from the cache.
+  context gathered from the cache (from the end of a shared prefix, or the window's first block).
 
-The plan (sorting, chunking, gather indices, masks) depends only on the step's metadata, so it is
-built once per forward pass and reused by every layer. A backend instance is meant for one engine
-thread (it owns its workspace).
+The plan (groups, sorting, chunking, gather indices, additive masks) depends only on the step's
+metadata, so it is built once per forward pass and reused by every layer: no mask is built or
+filled per layer. A backend instance is meant for one engine thread (it owns its workspace).
 
 Masking convention (Hugging Face's): the query at position ``p`` sees ``k <= p`` and, with a
 sliding window ``W``, ``k > p - W``; with a window, decode reads only the blocks the window
@@ -68,7 +77,8 @@ class _DecodeChunk:
 
 @dataclass
 class _SharedGroup:
-    """Decode tokens whose block tables start with the same ``num_blocks`` physical blocks."""
+    """Query tokens (decodes, prefill chunks) of sequences whose block tables start with the
+    same ``num_blocks`` physical blocks, which every one of them sees whole."""
 
     token_idx: torch.Tensor  # int64 [G]: rows of the flat batch
     block_ids: torch.Tensor  # int64 [num_blocks]
@@ -79,7 +89,7 @@ class _SharedGroup:
 
 @dataclass
 class _PrefillWork:
-    """How one prefill chunk runs this step (per window / dtype / GQA ratio)."""
+    """How one prefill chunk runs this step (per window and dtype)."""
 
     first_block: int  # first block read from the cache (after a shared prefix or the window)
     mask: torch.Tensor | None  # additive 0/-inf [1, 1, q, L]; None: plain causal
@@ -88,7 +98,7 @@ class _PrefillWork:
 
 @dataclass
 class _DecodePlan:
-    """A step's work for one (window, cache dtype, compute dtype, GQA ratio)."""
+    """A step's work for one (window, cache bytes per token, compute dtype)."""
 
     shared: list[_SharedGroup]
     chunks: list[_DecodeChunk]
@@ -109,7 +119,7 @@ class _Prefill:
 class _Plan:
     prefill: list[_Prefill] = field(default_factory=list)
     decode_seqs: list[tuple[int, int]] = field(default_factory=list)  # (seq_index, token_row)
-    # decode work per (sliding_window, bytes of K+V per token, compute dtype)
+    # the step's work per (sliding_window, bytes of K+V per token, compute dtype)
     decode: dict[tuple[int | None, int, torch.dtype], _DecodePlan] = field(default_factory=dict)
     table_host: list[list[int]] | None = None  # the block table, read once per step
 
