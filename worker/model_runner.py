@@ -16,7 +16,6 @@ import torch
 
 from kernels import AttentionMetadata
 from scheduler.output import SchedulerOutput
-from worker.cpu_tuning import tune_glibc_malloc
 from worker.loader import load_model
 from worker.models.decoder import CausalLM
 from worker.outputs import EngineConfig
@@ -66,8 +65,6 @@ class ModelRunner:
     ):
         self.config = config
         self.device = torch.device(config.device)
-        if self.device.type == "cpu":
-            tune_glibc_malloc()
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model: CausalLM = load_model(model_dir, self.dtype, self.device)
         mc = self.model.config
