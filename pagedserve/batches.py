@@ -8,12 +8,20 @@ Layout (prefix ``ps``)::
     ps:batch:{id}:output     list   output-file lines, appended by the fenced finish of each job
     ps:batch:{id}:errors     list   error-file lines (rejected input lines, failed jobs)
     ps:batch:{id}:counted    set    job ids already counted (each job is counted once)
+    ps:batch:{id}            field  reconciled_at: when :meth:`BatchStore.reconcile` last ran
     ps:batches               zset   batch id -> creation sequence number (list newest first)
     ps:batches:seq           string that sequence
     ps:batches:active        set    batches not yet in a final status (for beat tasks)
 
 Life cycle: validating -> (fan_out) in_progress | failed -> (finalize) finalizing -> completed;
 cancel: cancelling -> cancelled; past the completion window: expired (partial output kept).
+
+Every request of a batch ends with exactly one output or error line, counted once (the counted
+set guards every writer): a worker's fenced final write (finish.lua); a job dead-lettered at claim
+(lease.lua, ``dead_lettered``) or cancelled before a worker wrote it (cancel.lua and lease.lua,
+``batch_cancelled``; ``batch_expired`` when the batch expires); and, as a safety net for any other
+way a job ends without its line (a drain handing back a job being cancelled, a lost job record),
+:meth:`BatchStore.reconcile`, run by cancel / expire and periodically by ``finalize_ready``.
 """
 
 from __future__ import annotations
@@ -28,8 +36,19 @@ from typing import Any, Literal
 import redis
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagedserve.openai_format import ENDPOINTS, LineError, line_error_line, parse_file
-from pagedserve.schemas import JobRequest
+from pagedserve.openai_format import (
+    BATCH_CANCELLED,
+    BATCH_EXPIRED,
+    ENDPOINTS,
+    JOB_LOST,
+    LineError,
+    job_error_line,
+    line_error_line,
+    output_line,
+    parse_file,
+    unrun_error_line,
+)
+from pagedserve.schemas import JobRequest, JobResult
 from pagedserve.store import JobStore, batch_keys
 
 #: Largest uploaded file (it lives in Redis memory).
@@ -38,6 +57,24 @@ DEFAULT_MAX_FILE_BYTES = 64 * 1024 * 1024
 ENQUEUE_CHUNK = 2000
 #: Environment variable listing served models (comma-separated); empty accepts any model.
 MODELS_ENV = "PAGEDSERVE_MODELS"
+#: How often ``finalize_ready`` reconciles an in-progress batch whose counts are short (s).
+DEFAULT_RECONCILE_EVERY_S = 30.0
+
+#: Adds a job's line and count for :meth:`BatchStore.reconcile`, once (the counted set), and only
+#: if the job has ended (or its record is gone): a job still running gets its line from its worker.
+#: KEYS: job hash, batch hash, line list, counted set; ARGV: job id, line, counter field.
+_RECONCILE_LUA = """
+local s = redis.call('HGET', KEYS[1], 'status')
+if s and s ~= 'succeeded' and s ~= 'failed' and s ~= 'cancelled' then
+  return 0
+end
+if redis.call('EXISTS', KEYS[2]) == 0 or redis.call('SADD', KEYS[4], ARGV[1]) == 0 then
+  return 0
+end
+redis.call('RPUSH', KEYS[3], ARGV[2])
+redis.call('HINCRBY', KEYS[2], ARGV[3], 1)
+return 1
+"""
 
 BatchStatus = Literal[
     "validating",
@@ -166,6 +203,7 @@ class BatchStore:
         prefix: str = "ps",
         known_models: Collection[str] | None = None,
         max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+        reconcile_every_s: float = DEFAULT_RECONCILE_EVERY_S,
     ) -> None:
         self.jobs = store if isinstance(store, JobStore) else JobStore(store, prefix=prefix)
         self.r = self.jobs.r
@@ -174,6 +212,8 @@ class BatchStore:
         self.known_models = (
             list(known_models) if known_models is not None else _known_models_from_env()
         )
+        self.reconcile_every_s = reconcile_every_s
+        self._reconcile_script = self.r.register_script(_RECONCILE_LUA)
 
     # ----------------------------------------------------------------------------- keys
     @property
@@ -371,19 +411,73 @@ class BatchStore:
     def job_ids(self, batch_id: str) -> list[str]:
         return self.r.lrange(self.jobs_key(batch_id), 0, -1)
 
-    def _cancel_jobs(self, batch_id: str) -> None:
+    def _cancel_jobs(
+        self,
+        batch_id: str,
+        code: str = BATCH_CANCELLED,
+        message: str = "the batch was cancelled before this request ran",
+        count_running: bool = False,
+    ) -> None:
+        """Cancel every job; each queued one gets its ``code`` error line atomically (cancel.lua),
+        and with ``count_running`` (expiry) each running one too (its worker adds no other)."""
         ids = self.job_ids(batch_id)
         js = self.jobs
+        args = [js.keys.cancel_prefix, js.retention_s, js.events_maxlen, code, message]
+        args.append("1" if count_running else "0")
         for i in range(0, len(ids), ENQUEUE_CHUNK):
             calls = [
-                (
-                    "cancel",
-                    [js.keys.job(j), js.keys.events(j)],
-                    [js.keys.cancel_prefix, js.retention_s, js.events_maxlen],
-                )
+                ("cancel", [js.keys.job(j), js.keys.events(j)], args)
                 for j in ids[i : i + ENQUEUE_CHUNK]
             ]
             js._exec(calls)
+
+    def reconcile(self, batch_id: str) -> int:
+        """Add the line and count of every job of the batch that has ended (or whose record is
+        gone) without being counted; returns how many. Idempotent and safe against concurrent
+        worker writes: each job is counted at most once (the counted set, checked in Redis)."""
+        bhash, out_key, err_key, counted_key = batch_keys(self.keys, batch_id)
+        if not self.r.exists(bhash):
+            return 0
+        self.r.hset(bhash, "reconciled_at", self._now())
+        counted = self.r.smembers(counted_key)
+        todo = [j for j in self.job_ids(batch_id) if j not in counted]
+        added = 0
+        for i in range(0, len(todo), ENQUEUE_CHUNK):
+            part = todo[i : i + ENQUEUE_CHUNK]
+            pipe = self.r.pipeline(transaction=False)
+            for j in part:
+                pipe.hmget(self.keys.job(j), "status", "request", "result", "error")
+            calls = []
+            for j, (status, req, res, error) in zip(part, pipe.execute(), strict=True):
+                got = self._final_line(j, status, req, res, error)
+                if got is not None:
+                    calls.append((j, *got))
+            pipe = self.r.pipeline(transaction=False)
+            for j, ok, line in calls:
+                keys = [self.keys.job(j), bhash, out_key if ok else err_key, counted_key]
+                field = "completed" if ok else "failed"
+                self._reconcile_script(keys=keys, args=[j, line, field], client=pipe)
+            added += sum(pipe.execute())
+        return added
+
+    @staticmethod
+    def _final_line(
+        job_id: str, status: str | None, req: str | None, res: str | None, error: str | None
+    ) -> tuple[bool, str] | None:
+        """(succeeded?, line) for a job that has ended (or is gone); None while it has not."""
+        if status is None:
+            return False, unrun_error_line(None, job_id, JOB_LOST, "the job's record is gone")
+        if status not in ("succeeded", "failed", "cancelled"):
+            return None
+        try:
+            request = JobRequest.model_validate_json(req or "")
+        except ValueError:
+            request = None
+        if request is None or "custom_id" not in (request.metadata or {}):
+            return False, unrun_error_line(request, job_id, JOB_LOST, "the job's request is gone")
+        if status == "succeeded" and res:
+            return True, output_line(request, job_id, JobResult.model_validate_json(res))
+        return False, job_error_line(request, job_id, status, error)
 
     def _running(self, batch_id: str) -> int:
         sts = self.jobs.statuses(self.job_ids(batch_id))
@@ -409,6 +503,9 @@ class BatchStore:
         """cancelling -> cancelled (with the partial output files) once no job is running."""
         if self._running(batch_id):
             return self.get(batch_id)
+        if self.get(batch_id) is None:
+            return None
+        self.reconcile(batch_id)
         files = self._write_files(batch_id)
 
         def done(b: Batch, pipe: redis.client.Pipeline) -> bool:
@@ -475,12 +572,19 @@ class BatchStore:
             if b.status == "cancelling":
                 after = self._settle_cancel(bid)
             elif b.status == "in_progress":
+                c = b.request_counts
+                if c.completed + c.failed < c.total and self._reconcile_due(bid):
+                    self.reconcile(bid)
                 after = self.finalize(bid)
             else:
                 continue
             if after is not None and after.status != b.status:
                 changed.append(bid)
         return changed
+
+    def _reconcile_due(self, batch_id: str) -> bool:
+        last = self.r.hget(self.keys.batch(batch_id), "reconciled_at")
+        return last is None or self._now() - int(last) >= self.reconcile_every_s
 
     @staticmethod
     def _reset_finalizing(b: Batch) -> bool:
@@ -490,14 +594,17 @@ class BatchStore:
         return True
 
     def expire(self, now: int | None = None) -> list[str]:
-        """Expire batches past ``expires_at``: cancel their jobs, keep their partial output."""
+        """Expire batches past ``expires_at``: cancel their jobs, keep their partial output; every
+        request without a line yet (queued or running) gets a ``batch_expired`` error line."""
         now = self._now() if now is None else now
         expired = []
         for bid in self.active():
             b = self.get(bid)
             if b is None or b.status not in ("validating", "in_progress") or b.expires_at > now:
                 continue
-            self._cancel_jobs(bid)
+            msg = "the batch expired before this request finished"
+            self._cancel_jobs(bid, BATCH_EXPIRED, msg, count_running=True)
+            self.reconcile(bid)
             files = self._write_files(bid)
 
             def mark(cur: Batch, pipe: redis.client.Pipeline, files: Any = files) -> bool:

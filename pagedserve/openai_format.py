@@ -417,11 +417,26 @@ def line_error_line(err: LineError, batch_id: str) -> str:
     return error_line(err.custom_id or "", rid, err.code, err.message, status_code=400)
 
 
+#: Error codes of batch requests that ended without a worker's final write (``error`` lines
+#: without a ``response``; the Lua scripts lease.lua and cancel.lua write the same shape).
+DEAD_LETTERED = "dead_lettered"
+BATCH_CANCELLED = "batch_cancelled"
+BATCH_EXPIRED = "batch_expired"
+JOB_LOST = "job_lost"
+
+
+def unrun_error_line(request: JobRequest | None, job_id: str, code: str, message: str) -> str:
+    """The error-file line of a batch request that never got a worker's final write (dead-lettered,
+    cancelled or expired before it ran, or its job record lost: ``request`` None)."""
+    cid = str((request.metadata or {}).get("custom_id", "")) if request is not None else ""
+    return error_line(cid, job_id, code, message, status_code=None)
+
+
 def job_error_line(request: JobRequest, job_id: str, status: str, reason: str | None) -> str:
     """The error-file line of a batch job that failed or was cancelled."""
     cid = _meta(request)["custom_id"]
     if status == "cancelled":
-        return error_line(cid, job_id, "batch_cancelled", reason or "cancelled", status_code=None)
+        return error_line(cid, job_id, BATCH_CANCELLED, reason or "cancelled", status_code=None)
     return error_line(cid, job_id, "server_error", reason or "failed", status_code=500)
 
 

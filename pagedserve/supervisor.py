@@ -16,6 +16,7 @@ No torch here: the model and the worker run in child processes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import logging
@@ -61,6 +62,8 @@ class Child:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self, grace_s: float) -> int | None:
+        """SIGTERM, SIGKILL after ``grace_s``; then SIGKILL whatever the child left in its
+        process group (gunicorn's workers, celery's beat) so nothing outlives the supervisor."""
         if self.proc is None:
             return None
         if self.proc.poll() is None:
@@ -70,6 +73,8 @@ class Child:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: pgid == its pid
         return self.proc.returncode
 
 
@@ -182,6 +187,14 @@ class Supervisor:
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
+
+    def pids(self) -> dict[str, int]:
+        """The supervisor's and every started child's pid (each child leads its own session)."""
+        out = {"supervisor": os.getpid()}
+        if self.redis is not None and self.redis.proc is not None:
+            out["redis"] = self.redis.proc.pid
+        out |= {c.name: c.proc.pid for c in self.children if c.proc is not None}
+        return out
 
     def urls(self) -> dict[str, str]:
         out = {"redis": self.redis_url, "logs": str(self.home / "logs")}
@@ -335,13 +348,18 @@ def _config(args: argparse.Namespace) -> UpConfig:
     )
 
 
+def _up_line(sup: Supervisor) -> dict[str, Any]:
+    """What ``up`` prints once started (``demo``: on stderr): children, URLs and pids."""
+    return {"up": [c.name for c in sup.children], **sup.urls(), "pids": sup.pids()}
+
+
 def up_main(argv: Sequence[str] | None = None) -> int:
     args = _parser("up").parse_args(argv)
     sup = Supervisor(_config(args))
     _install_signals(sup)
     try:
         sup.start()
-        print(json.dumps({"up": [c.name for c in sup.children], **sup.urls()}), flush=True)
+        print(json.dumps(_up_line(sup)), flush=True)
         return sup.wait()
     finally:
         sup.stop()
@@ -353,7 +371,9 @@ def demo_main(argv: Sequence[str] | None = None) -> int:
     _install_signals(sup)
     try:
         sup.start()
+        print(json.dumps(_up_line(sup)), file=sys.stderr, flush=True)
         summary = run_demo(sup, args.jobs)
+        summary["pids"] = sup.pids()
         print(json.dumps(summary, indent=2), flush=True)
         if args.keep:
             print("serving; Ctrl-C stops everything", file=sys.stderr)

@@ -4,6 +4,7 @@ cancel, expire, pagination."""
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 
@@ -17,7 +18,7 @@ from pagedserve.openai_format import (
     parse_line,
 )
 from pagedserve.schemas import Completion, JobResult, TokenLogprob
-from pagedserve.store import Finish, JobStore, Lease
+from pagedserve.store import Finish, JobStore, Lease, batch_keys
 
 MODEL = "tiny"
 
@@ -330,8 +331,14 @@ def test_cancel(bs: BatchStore) -> None:
     final = bs.get(b.id)
     assert final.status == "cancelled" and final.cancelled_at and final.output_file_id is None
     errs = [json.loads(x) for x in bs.files.content(final.error_file_id).splitlines()]
-    assert [e["error"]["code"] for e in errs] == ["batch_cancelled"]
+    # the two queued jobs at once (cancel.lua), the running one by its worker's cancelled write
+    assert [e["error"]["code"] for e in errs] == ["batch_cancelled"] * 3
+    assert sorted(e["custom_id"] for e in errs) == ["a", "b", "c"]
+    assert errs[-1]["id"] == f"batch_req_{running.job_id}"
+    assert all(e["response"] is None for e in errs)
+    assert final.request_counts.model_dump() == {"total": 3, "completed": 0, "failed": 3}
     assert bs.cancel(b.id).status == "cancelled"  # idempotent
+    assert bs.get(b.id).request_counts.failed == 3
 
 
 def test_expire_keeps_partial_output(bs: BatchStore) -> None:
@@ -345,6 +352,149 @@ def test_expire_keeps_partial_output(bs: BatchStore) -> None:
     assert e.status == "expired" and e.expired_at == b.expires_at
     assert len(bs.files.content(e.output_file_id).splitlines()) == 1
     assert bs.jobs.statuses(bs.job_ids(b.id))[1] == "cancelled"
+    (err,) = [json.loads(x) for x in bs.files.content(e.error_file_id).splitlines()]
+    assert err["custom_id"] == "b" and err["error"]["code"] == "batch_expired"
+    assert err["response"] is None and "expired" in err["error"]["message"]
+    assert e.request_counts.model_dump() == {"total": 2, "completed": 1, "failed": 1}
+
+
+def lines_of(bs: BatchStore, file_id: str | None) -> list[dict]:
+    return (
+        [json.loads(x) for x in (bs.files.content(file_id) or "").splitlines()] if file_id else []
+    )
+
+
+def test_dead_lettered_job_finalizes(redis_url: str) -> None:
+    bs = BatchStore(JobStore(redis_url, lease_ms=60_000, max_deliveries=1), known_models=[MODEL])
+    b = submit(bs, [line("a"), line("b")])
+    by_cid = {x.request.metadata["custom_id"]: x for x in bs.jobs.claim("w1", 5)}
+    assert finish(bs, by_cid["b"])
+    # w1 stalls on "a"; its second delivery (to w2) exceeds max_deliveries: dead-lettered
+    assert bs.jobs.reclaim("w2", 0, 5) == [] and bs.jobs.stats.dead_lettered == 1
+    assert not finish(bs, by_cid["a"], res=result("late"))  # w1's late write is refused
+    assert bs.get(b.id).request_counts.model_dump() == {"total": 2, "completed": 1, "failed": 1}
+    assert bs.finalize_ready() == [b.id]
+    done = bs.get(b.id)
+    assert done.status == "completed"
+    assert [o["custom_id"] for o in lines_of(bs, done.output_file_id)] == ["b"]
+    (err,) = lines_of(bs, done.error_file_id)
+    assert err["custom_id"] == "a" and err["id"] == f"batch_req_{by_cid['a'].job_id}"
+    assert (
+        err["error"]["code"] == "dead_lettered" and "delivered 2 times" in err["error"]["message"]
+    )
+    assert err["response"] is None
+
+
+def test_cancel_queued_batch_ends_at_once(bs: BatchStore) -> None:
+    b = submit(bs, [line("a"), line("b"), line("bad", {"model": "nope", "prompt": "x"})])
+    c = bs.cancel(b.id)
+    assert c.status == "cancelled"  # nothing was running
+    assert c.request_counts.model_dump() == {"total": 3, "completed": 0, "failed": 3}
+    errs = {e["custom_id"]: e for e in lines_of(bs, c.error_file_id)}
+    assert set(errs) == {"a", "b", "bad"}
+    assert errs["a"]["error"]["code"] == errs["b"]["error"]["code"] == "batch_cancelled"
+    assert errs["bad"]["response"]["status_code"] == 400
+    assert bs.active() == [] and bs.jobs.claim("w", 5) == []
+
+
+def test_single_job_cancel_counts_for_its_batch(bs: BatchStore) -> None:
+    """A batch job cancelled through the jobs API (not the batch) still gets its line."""
+    b = submit(bs, [line("a"), line("b")])
+    ja, jb = bs.job_ids(b.id)
+    assert bs.jobs.cancel(ja) == "cancelled"
+    assert bs.jobs.cancel(ja) == "cancelled"  # a repeated cancel counts nothing more
+    (lease,) = bs.jobs.claim("w", 5)
+    assert lease.job_id == jb and finish(bs, lease)
+    assert bs.finalize_ready() == [b.id]
+    done = bs.get(b.id)
+    assert done.request_counts.model_dump() == {"total": 2, "completed": 1, "failed": 1}
+    assert [e["custom_id"] for e in lines_of(bs, done.error_file_id)] == ["a"]
+
+
+def test_expire_writes_batch_expired_lines(bs: BatchStore) -> None:
+    b = submit(bs, [line("a"), line("b"), line("c")], window="1h")
+    la, lb = bs.jobs.claim("w", 2)
+    assert finish(bs, la)
+    assert bs.expire(now=b.expires_at) == [b.id]
+    e = bs.get(b.id)
+    assert e.status == "expired"
+    assert e.request_counts.model_dump() == {"total": 3, "completed": 1, "failed": 2}
+    errs = {x["custom_id"]: x for x in lines_of(bs, e.error_file_id)}
+    assert set(errs) == {"b", "c"}  # b was running, c never ran
+    assert {x["error"]["code"] for x in errs.values()} == {"batch_expired"}
+    # b's worker honours the cancel later: its write is accepted but counts nothing more
+    assert bs.jobs.pop_cancels("w") == {lb.job_id}
+    assert finish(bs, lb, status="cancelled")
+    assert bs.get(b.id).request_counts.model_dump() == e.request_counts.model_dump()
+    assert bs.expire(now=b.expires_at + 1) == [] and bs.finalize_ready() == []
+
+
+def test_reconcile_counts_jobs_ended_without_a_line(bs: BatchStore) -> None:
+    """A drain hands back a job being cancelled (release.lua): it ends cancelled without a
+    line; finalize_ready's reconcile adds it, once."""
+    bs.reconcile_every_s = 3600
+    b = submit(bs, [line("a"), line("b")])
+    la, lb = bs.jobs.claim("w", 2)
+    assert bs.reconcile(b.id) == 0  # both running: nothing to add (and not due for an hour)
+    assert bs.jobs.cancel(la.job_id) == "cancelling"
+    assert bs.jobs.release(la) == "cancelled"
+    assert finish(bs, lb)
+    assert bs.finalize_ready() == [] and bs.get(b.id).status == "in_progress"
+    bs.reconcile_every_s = 0
+    assert bs.finalize_ready() == [b.id]
+    done = bs.get(b.id)
+    assert done.status == "completed"
+    assert done.request_counts.model_dump() == {"total": 2, "completed": 1, "failed": 1}
+    (err,) = lines_of(bs, done.error_file_id)
+    assert err["custom_id"] == "a" and err["error"]["code"] == "batch_cancelled"
+    assert bs.reconcile(b.id) == 0
+
+
+def test_reconcile_races_worker_writes(bs: BatchStore) -> None:
+    """Workers' final writes (with and without their batch line) and job cancels race two
+    reconcile loops: every job ends with exactly one line and one count."""
+    n = 60
+    b = submit(bs, [line(f"r{i}") for i in range(n)])
+    leases = bs.jobs.claim("w", n)
+    assert len(leases) == n
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def reconciler() -> None:
+        try:
+            while not stop.is_set():
+                bs.reconcile(b.id)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=reconciler) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        for i, lease in enumerate(leases):
+            kind = i % 4
+            if kind == 0:  # a worker's write with its line
+                assert finish(bs, lease)
+            elif kind == 1:  # a write without the line (the reconcile builds it)
+                assert bs.jobs.complete(lease, result(f"x{i}"))
+            elif kind == 2:
+                assert finish(bs, lease, status="failed", error="boom")
+            else:  # cancelled, then handed back by a draining worker: no line
+                bs.jobs.cancel(lease.job_id)
+                bs.jobs.release(lease)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=30)
+    assert not errors
+    bs.reconcile(b.id)
+    got = bs.get(b.id)
+    assert got.request_counts.model_dump() == {"total": n, "completed": n // 2, "failed": n // 2}
+    _, out_key, err_key, counted_key = batch_keys(bs.keys, b.id)
+    ids = [json.loads(x)["id"] for x in bs.r.lrange(out_key, 0, -1) + bs.r.lrange(err_key, 0, -1)]
+    assert sorted(ids) == sorted(f"batch_req_{x.job_id}" for x in leases)
+    assert bs.r.scard(counted_key) == n
+    assert bs.finalize_ready() == [b.id] and bs.get(b.id).status == "completed"
 
 
 def test_list_pagination(bs: BatchStore) -> None:

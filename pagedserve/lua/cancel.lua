@@ -1,17 +1,58 @@
 -- A client's cancel: a queued job is cancelled at once (a worker skips its entry at claim); a
 -- running job becomes 'cancelling' and goes into its owner's cancel set.
+-- A job of a batch cancelled here (it never reaches a worker's final write) gets its batch error
+-- line ARGV[4] / ARGV[5] (code, message; default batch_cancelled). With ARGV[6] == '1' (a batch
+-- expiring) a running job's line is written now too, so the batch's files are complete at once;
+-- the worker's later cancelled write then finds the job counted and adds nothing.
 -- KEYS: job hash, events stream
--- ARGV: cancel-set key prefix, retention s, events maxlen
+-- ARGV: cancel-set key prefix, retention s, events maxlen[, batch code, batch message,
+--       '1' to count running jobs too]
 -- Returns the job's status after the call, or 'not_found'.
+-- For a job of an OpenAI batch (its request's metadata names batch_id and custom_id) that ends
+-- here without a worker's final write: appends its error-file line to the batch and counts it as
+-- failed, once per job (the batch's counted set, as in finish.lua), if the batch still exists.
+-- The batch keys are derived from the job key (<prefix>:job:<id> -> <prefix>:batch:<batch id>).
+local function batch_error(job, job_id, request, code, message)
+  if not request or not job_id then
+    return
+  end
+  local ok, req = pcall(cjson.decode, request)
+  if not ok or type(req) ~= 'table' or type(req.metadata) ~= 'table' then
+    return
+  end
+  local bid, cid = req.metadata.batch_id, req.metadata.custom_id
+  if type(bid) ~= 'string' or cid == nil then
+    return
+  end
+  local bhash = string.sub(job, 1, #job - #job_id - 4) .. 'batch:' .. bid
+  if redis.call('EXISTS', bhash) == 0 then
+    return
+  end
+  if redis.call('SADD', bhash .. ':counted', job_id) == 1 then
+    local line = cjson.encode({id = 'batch_req_' .. job_id, custom_id = tostring(cid),
+      response = cjson.null, error = {code = code, message = message}})
+    redis.call('RPUSH', bhash .. ':errors', line)
+    redis.call('HINCRBY', bhash, 'failed', 1)
+  end
+end
+
 local job, events = KEYS[1], KEYS[2]
-local cur = redis.call('HMGET', job, 'status', 'worker', 'id')
+local code = ARGV[4] or 'batch_cancelled'
+local message = ARGV[5] or 'cancelled before it ran'
+local cur = redis.call('HMGET', job, 'status', 'worker', 'id', 'request')
 local status = cur[1]
 if not status then
   return 'not_found'
 end
 if status == 'queued' then
   finish(job, events, 'cancelled', ARGV[2], ARGV[3])
+  batch_error(job, cur[3], cur[4], code, message)
   return 'cancelled'
+end
+if status == 'running' or status == 'cancelling' then
+  if ARGV[6] == '1' then
+    batch_error(job, cur[3], cur[4], code, message)
+  end
 end
 if status == 'running' then
   redis.call('HSET', job, 'status', 'cancelling')
