@@ -166,9 +166,13 @@ def test_dashboard_follows_a_live_worker(
         # Busy: a heartbeat with jobs running and blocks in use; then freeze the worker.
         def busy() -> bool:
             (w,) = client.get("/v1/pool")["workers"]
-            return bool(w["running"] > 0 and w["pool"]["blocks_in_use"] > 0)
+            # Several sequences holding the shared prefix at once, so all four states can show.
+            pool = w["pool"]
+            return bool(
+                w["running"] >= 2 and pool["blocks_in_use"] > 0 and pool["blocks_shared"] > 0
+            )
 
-        wait_for(busy, timeout=30, what="a heartbeat with running jobs and blocks in use")
+        wait_for(busy, timeout=30, what="a heartbeat with running jobs sharing prefix blocks")
         os.kill(worker.proc.pid, signal.SIGSTOP)
         stopped = True
         t_stop = time.monotonic()
