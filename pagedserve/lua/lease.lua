@@ -3,34 +3,6 @@
 -- ARGV: consumer, group, entry id, lease ms, max deliveries, retention s, events maxlen
 -- Returns {'ok', fence, request JSON, deliveries} | {'skip', why} | {'dead', reason}.
 -- A job of a batch that ends here (dead-lettered, or cancelled) gets its batch error line.
--- For a job of an OpenAI batch (its request's metadata names batch_id and custom_id) that ends
--- here without a worker's final write: appends its error-file line to the batch and counts it as
--- failed, once per job (the batch's counted set, as in finish.lua), if the batch still exists.
--- The batch keys are derived from the job key (<prefix>:job:<id> -> <prefix>:batch:<batch id>).
-local function batch_error(job, job_id, request, code, message)
-  if not request or not job_id then
-    return
-  end
-  local ok, req = pcall(cjson.decode, request)
-  if not ok or type(req) ~= 'table' or type(req.metadata) ~= 'table' then
-    return
-  end
-  local bid, cid = req.metadata.batch_id, req.metadata.custom_id
-  if type(bid) ~= 'string' or cid == nil then
-    return
-  end
-  local bhash = string.sub(job, 1, #job - #job_id - 4) .. 'batch:' .. bid
-  if redis.call('EXISTS', bhash) == 0 then
-    return
-  end
-  if redis.call('SADD', bhash .. ':counted', job_id) == 1 then
-    local line = cjson.encode({id = 'batch_req_' .. job_id, custom_id = tostring(cid),
-      response = cjson.null, error = {code = code, message = message}})
-    redis.call('RPUSH', bhash .. ':errors', line)
-    redis.call('HINCRBY', bhash, 'failed', 1)
-  end
-end
-
 local job, stream, dead, events = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local consumer, group, entry = ARGV[1], ARGV[2], ARGV[3]
 local lease_ms, max_deliveries = tonumber(ARGV[4]), tonumber(ARGV[5])
