@@ -202,6 +202,7 @@ BAD_INPUTS: list[tuple[str, str]] = [
     (req(prompt="x", priority="urgent"), "priority"),
     (req(prompt="x", metadata=[1, 2]), "metadata"),
     (req(prompt="x", params="greedy"), "params"),
+    (req(prompt="x", model="some-other-model"), "not served here"),
 ]
 
 

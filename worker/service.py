@@ -288,6 +288,14 @@ class Worker:
         if lease.job_id in self.jobs:  # re-delivered to us while still running (own pending)
             self.jobs[lease.job_id].lease = lease
             return
+        if req.model is not None and req.model != self.engine.model_name:
+            # One consumer group serves one model: a job for another model is an input error.
+            self._fail(
+                lease,
+                f"rejected: model {req.model!r} is not served here (this worker serves "
+                f"{self.engine.model_name!r})",
+            )
+            return
         messages = [m.model_dump() for m in req.messages] if req.messages is not None else None
         try:
             self.engine.add_request(
