@@ -20,4 +20,5 @@ pytest_plugins = [
     "tests.fixtures.redis_server",
     "tests.fixtures.models",
     "tests.fixtures.workers",
+    "tests.fixtures.browser",
 ]

@@ -7,8 +7,6 @@ Needs ``apt-get install -y chromium`` (Debian's, /usr/bin/chromium) and ``pip in
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import threading
 import urllib.request
 from collections.abc import Iterator
@@ -22,15 +20,8 @@ from pagedserve.client import Client
 from pagedserve.telemetry import PoolSnapshot
 from tests.api_fixtures import heartbeat, make_app, publish
 
-CHROMIUM = os.environ.get("PAGEDSERVE_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
 KEY = "dash-key"
-
-sync_api = pytest.importorskip(
-    "playwright.sync_api", reason="playwright is not installed (pip install playwright)"
-)
-if not Path(CHROMIUM).exists():
-    pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install -y chromium)", allow_module_level=True)
 
 
 def serve(app: Flask) -> Iterator[str]:
@@ -47,18 +38,6 @@ def serve(app: Flask) -> Iterator[str]:
 @pytest.fixture
 def base_url(redis_url: str) -> Iterator[str]:
     yield from serve(make_app(redis_url, api_keys=KEY))
-
-
-@pytest.fixture
-def browser() -> Iterator[object]:
-    with sync_api.sync_playwright() as pw:
-        b = pw.chromium.launch(
-            executable_path=CHROMIUM, headless=True, args=["--no-sandbox", "--disable-gpu"]
-        )
-        try:
-            yield b
-        finally:
-            b.close()
 
 
 def get_json(url: str) -> dict:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import signal
 import time
 from collections.abc import Iterator
@@ -27,7 +26,6 @@ from pagedserve.store import JobStore
 from tests.api_live import ApiServer, JsonClient, api_server
 from tests.fixtures.workers import StartWorker, wait_for
 
-CHROMIUM = os.environ.get("PAGEDSERVE_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
 KEY = "live-dash-key"
 WORKER_ID = "live-w1"
@@ -39,29 +37,11 @@ SHARED_PREFIX = [(7 * k) % 400 + 20 for k in range(64)]  # four full blocks, sha
 #: The heartbeat key expires 10 s after the last publication: unfreeze well before that.
 MAX_FREEZE_S = 8.0
 
-sync_api = pytest.importorskip(
-    "playwright.sync_api", reason="playwright is not installed (pip install playwright)"
-)
-if not Path(CHROMIUM).exists():
-    pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install -y chromium)", allow_module_level=True)
-
 
 @pytest.fixture
 def api(redis_url: str, tmp_path: Path) -> Iterator[ApiServer]:
     with api_server(redis_url, tmp_path / "api.log", workers=1, threads=8, api_keys=KEY) as s:
         yield s
-
-
-@pytest.fixture
-def browser() -> Iterator[Any]:
-    with sync_api.sync_playwright() as pw:
-        b = pw.chromium.launch(
-            executable_path=CHROMIUM, headless=True, args=["--no-sandbox", "--disable-gpu"]
-        )
-        try:
-            yield b
-        finally:
-            b.close()
 
 
 def page_view(page: Any) -> dict[str, Any]:
