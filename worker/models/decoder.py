@@ -16,7 +16,7 @@ from torch import nn
 
 from kernels import AttentionMetadata, get_backend
 from worker.models.config import ModelConfig
-from worker.models.layers import DecoderLayer, RMSNorm, _param
+from worker.models.layers import DecoderLayer, RMSNorm, _param, linear
 
 # Checkpoint tensors that carry no weights of ours (old exports store rotary buffers).
 _IGNORED_SUFFIXES: tuple[str, ...] = ("rotary_emb.inv_freq",)
@@ -73,7 +73,7 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[N, vocab]`` of the given hidden rows."""
-        return F.linear(hidden, self.lm_head_weight).float()
+        return linear(hidden, self.lm_head_weight).float()
 
     # ------------------------------------------------------------------ weights
     def _layer_target(self, layer: DecoderLayer, name: str) -> tuple[torch.Tensor, int, int] | None:

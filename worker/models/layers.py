@@ -2,8 +2,9 @@
 
 Parameters are created uninitialised (``torch.empty``): every one of them is overwritten by the
 loader, so drawing random values first would only cost time. Projections are plain parameters fed
-to ``F.linear`` — the fused ``qkv`` and ``gate_up`` weights are the checkpoint's separate matrices
-stacked along the output dimension at load time (one matmul instead of three / two).
+to ``linear`` (``F.linear``, or oneDNN for float32 on a CPU) — the fused ``qkv`` and ``gate_up``
+weights are the checkpoint's separate matrices stacked along the output dimension at load time
+(one matmul instead of three / two).
 """
 
 from __future__ import annotations
@@ -15,6 +16,26 @@ from torch import nn
 from kernels import AttentionBackend, AttentionMetadata
 from worker.models.config import ModelConfig
 from worker.models.rope import apply_rope
+
+_ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, through oneDNN for 2-D float32 inputs on a CPU.
+
+    torch's default CPU GEMM (MKL) ran 15-60% slower than oneDNN's at the decode-sized shapes of
+    the bench model on this project's AMD EPYC machines (e.g. 96 x 512 -> 3072: 119 vs 193
+    GFLOP/s); the results differ only by summation order (float32 rounding).
+    """
+    if (
+        _ONEDNN_LINEAR is not None
+        and x.dim() == 2
+        and x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and x.shape[0] > 0
+    ):
+        return _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -49,10 +70,10 @@ class GatedMLP(nn.Module):
         self.intermediate_size = inter
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
+        gate_up = linear(x, self.gate_up_weight, self.gate_up_bias)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         # In place: one activation-sized buffer fewer per layer (same values).
-        return F.linear(F.silu(gate).mul_(up), self.down_weight, self.down_bias)
+        return linear(F.silu(gate).mul_(up), self.down_weight, self.down_bias)
 
 
 class PagedAttention(nn.Module):
@@ -85,7 +106,7 @@ class PagedAttention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         t = x.shape[0]
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias)
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
@@ -95,7 +116,7 @@ class PagedAttention(nn.Module):
         out = backend.paged_attention(
             q, k, v, k_cache, v_cache, meta, self.scale, self.sliding_window
         )
-        return F.linear(out.reshape(t, self.q_size), self.o_weight, self.o_bias)
+        return linear(out.reshape(t, self.q_size), self.o_weight, self.o_bias)
 
 
 class DecoderLayer(nn.Module):
