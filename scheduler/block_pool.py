@@ -64,11 +64,6 @@ class PoolOccupancy:
     def usage(self) -> float:
         return self.in_use / self.num_blocks if self.num_blocks else 0.0
 
-    @property
-    def waste_fraction(self) -> float:
-        allocated = self.in_use * self.block_size
-        return self.fragmentation_slots / allocated if allocated else 0.0
-
 
 FREE, IN_USE, CACHED, SHARED = 0, 1, 2, 3
 
@@ -106,9 +101,6 @@ class BlockPool:
     @property
     def num_cached_evictable(self) -> int:
         return sum(1 for b in self._free if self._hash_of[b] is not None)
-
-    def is_cached(self, block: int) -> bool:
-        return self._hash_of[block] is not None
 
     def lookup(self, block_hash: BlockHash, tokens: list[int]) -> int | None:
         """The cached block holding exactly ``tokens`` under ``block_hash``, or None."""
@@ -169,16 +161,6 @@ class BlockPool:
             del self._cached[h]
             self._hash_of[block] = None
             self._tokens_of[block] = None
-
-    def reset_prefix_cache(self) -> int:
-        """Forget every cached prefix held by free blocks; returns how many were dropped."""
-        dropped = 0
-        for block in list(self._free):
-            if self._hash_of[block] is not None:
-                self._evict(block)
-                self._free.move_to_end(block, last=False)
-                dropped += 1
-        return dropped
 
     # --------------------------------------------------------------- snapshot
     def occupancy(self) -> PoolOccupancy:

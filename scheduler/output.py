@@ -28,10 +28,6 @@ class ScheduledSequence:
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
-    @property
-    def context_len(self) -> int:
-        return self.start_pos + len(self.token_ids)
-
 
 @dataclass(slots=True)
 class SchedulerOutput:
@@ -42,7 +38,3 @@ class SchedulerOutput:
     released_seq_ids: list[int] = field(default_factory=list)
     preempted_seq_ids: list[int] = field(default_factory=list)
     num_batched_tokens: int = 0
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled

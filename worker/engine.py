@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from pagedserve.params import SamplingParams
+from scheduler.block_pool import PoolOccupancy
 from scheduler.output import SchedulerOutput
 from scheduler.scheduler import Scheduler, SchedulerConfig, SequenceRejected, TokenUpdate
 from scheduler.sequence import FinishReason, Priority, Sequence, StopConditions
@@ -229,10 +230,6 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self._requests)
-
     def free_capacity(self) -> int:
         """How many more requests to admit now without overcommitting the KV pool.
 
@@ -430,8 +427,6 @@ class Engine:
             },
         }
 
-    def occupancy(self):
+    def occupancy(self) -> PoolOccupancy:
+        """The pool snapshot with every running sequence's block table."""
         return self.scheduler.occupancy(with_tables=True)
-
-    def reset_prefix_cache(self) -> int:
-        return self.scheduler.pool.reset_prefix_cache()
