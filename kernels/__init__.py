@@ -15,7 +15,10 @@ cache hits). Attention is causal: query token at position ``p`` sees cache posit
 (and ``> p - sliding_window`` when a window is set).
 
 Backends (``kernels.torch_backend`` for CPUs, ``kernels.triton_backend`` for GPUs) expose the same
-two functions; :func:`get_backend` picks one once per device.
+two functions; :func:`get_backend` picks one once per device. On a CPU, float32 decode tokens go
+through a small C kernel (``kernels/csrc/paged_decode.c``, built at first use by
+``kernels.native``) that reads each cached key and value once; everything else, and every decode
+when no C compiler is present (or ``PAGEDSERVE_NATIVE_KERNELS=0``), runs in plain torch.
 """
 
 from __future__ import annotations

@@ -24,4 +24,5 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -c constraints.txt -e '.[dev]'
+.venv/bin/python -m kernels.native >/dev/null 2>&1 || echo "bootstrap: no C compiler: CPU decode attention stays in plain torch" >&2
 echo "bootstrap: ready (.venv/bin/pagedserve, .venv/bin/python -m pytest)" >&2

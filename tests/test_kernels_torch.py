@@ -2,15 +2,31 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels import get_backend
+from kernels import native as native_kernel
 from kernels.reference import reference_paged_attention, reference_write_kv
 from kernels.testing import PagedBatch, make_batch, share_prefix
 from kernels.torch_backend import TorchBackend
+
+
+@pytest.fixture(autouse=True, scope="module", params=["torch", "native"])
+def decode_path(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every test twice: decodes in plain torch, and through the C kernel (float32 only; other
+    dtypes and shapes stay in torch either way). Module-scoped so hypothesis accepts it."""
+    original = native_kernel.load
+    if request.param == "native" and original() is None:
+        pytest.skip("the native decode kernel did not build here (no C compiler?)")
+    if request.param == "torch":
+        native_kernel.load = lambda: None
+    yield request.param
+    native_kernel.load = original
 
 
 def run_and_compare(

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import AttentionMetadata
+from kernels import AttentionMetadata, get_backend
 from scheduler.output import SchedulerOutput
 from worker.loader import load_model
 from worker.models.decoder import CausalLM
@@ -95,6 +95,9 @@ class ModelRunner:
             self.layout.capacity_tokens,
             self.layout.num_blocks * self.block_size * self.layout.bytes_per_token / 2**20,
         )
+        backend = get_backend(self.device)  # built now (a CPU kernel compiles once), not mid-step
+        native = getattr(backend, "uses_native", False)
+        log.info("attention: %s backend%s", backend.name, ", C decode kernel" if native else "")
 
     # ------------------------------------------------------------------ sizing
     def bytes_per_token(self) -> int:

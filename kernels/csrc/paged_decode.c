@@ -1,0 +1,215 @@
+/*
+ * Single-pass paged decode attention for CPUs (float32).
+ *
+ * Why this exists: in plain torch, decode attention over a paged cache has to gather each
+ * sequence's scattered blocks into a buffer before a batched attention call can read them, so
+ * every cached byte is read twice and written once per layer. Here each (query row, KV head)
+ * walks its block table and reads each key and value exactly once, with an online softmax
+ * (running max and sum, rescaled per block), so decode runs at memory speed.
+ *
+ * Layout (see kernels/__init__.py): k_cache, v_cache: [num_blocks, block_size, num_kv_heads,
+ * head_dim], contiguous. Query head h reads KV head h / (num_heads / num_kv_heads).
+ *
+ * Row r (one decoding sequence) attends to positions lo .. seq_len-1 where lo is
+ * max(first_block * block_size, seq_len - window) (window <= 0: no window), reading its blocks
+ * through block_tables[seq_index]. It writes out[token_row] ([num_heads, head_dim]) and
+ * lse[r] ([num_heads], natural log of the sum of exp(scaled scores)) so that a caller can merge
+ * the result exactly with attention over positions it computed elsewhere (a shared prefix).
+ *
+ * Built at first use by kernels/native.py with the machine's C compiler; called through ctypes.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define PS_MAX_HEAD_DIM 256
+#define PS_MAX_HEADS 64
+#define PS_MAX_BLOCK 256
+#define PS_LANES 8
+
+/* GCC/Clang vector extensions: 8 floats (one AVX register; two NEON ones elsewhere). */
+typedef float v8sf __attribute__((vector_size(32)));
+typedef int32_t v8si __attribute__((vector_size(32)));
+typedef float v8sf_u __attribute__((vector_size(32), aligned(4))); /* unaligned loads */
+
+typedef struct {
+    const float *query;          /* [T, num_heads, head_dim], rows query_row_stride apart */
+    int64_t query_row_stride;
+    const float *k_cache;
+    const float *v_cache;
+    const int32_t *block_tables; /* [B, block_table_stride] */
+    int64_t block_table_stride;
+    const int64_t *token_rows;   /* [n]: row of query/out for each decode row */
+    const int64_t *seq_index;    /* [n]: row of block_tables */
+    const int64_t *first_block;  /* [n]: first block read (after a shared prefix) */
+    const int64_t *seq_lens;     /* [n]: context length including the new token */
+    int64_t num_rows;
+    int64_t num_heads;
+    int64_t num_kv_heads;
+    int64_t head_dim;
+    int64_t block_size;
+    int64_t window;              /* <= 0: no sliding window */
+    float scale;
+    int32_t num_threads;
+    float *out;                  /* [T, num_heads, head_dim], rows out_row_stride apart */
+    int64_t out_row_stride;
+    float *lse;                  /* [n, num_heads] */
+} ps_decode_args;
+
+static inline v8sf ps_load(const float *p) { return *(const v8sf_u *)p; }
+static inline v8sf ps_splat(float x) { return (v8sf){x, x, x, x, x, x, x, x}; }
+
+/* Lane j of the result: the sum of the 8 lanes of p[j] (a transposing reduction). */
+static inline v8sf ps_hsum8(const v8sf p[8]) {
+    v8sf u[4], w[2];
+    for (int j = 0; j < 4; ++j)
+        u[j] = __builtin_shufflevector(p[2 * j], p[2 * j + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+               __builtin_shufflevector(p[2 * j], p[2 * j + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+    for (int j = 0; j < 2; ++j)
+        w[j] = __builtin_shufflevector(u[2 * j], u[2 * j + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+               __builtin_shufflevector(u[2 * j], u[2 * j + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    /* w[0] = [p0..p3 over lanes 0-3, p0..p3 over lanes 4-7], w[1] likewise for p4..p7 */
+    v8sf lo = __builtin_shufflevector(w[0], w[1], 0, 1, 2, 3, 8, 9, 10, 11);
+    v8sf hi = __builtin_shufflevector(w[0], w[1], 4, 5, 6, 7, 12, 13, 14, 15);
+    return lo + hi;
+}
+
+/* exp(x) for x <= 0, about 1 ulp (Cephes' expf polynomial after a 2^n split); lanes below
+ * -87.3 give ~1e-38, which callers multiply by zero or add to a sum of at least 1. */
+static inline v8sf ps_exp8(v8sf x) {
+    const v8sf lo = ps_splat(-87.3f);
+    const v8si below = x < lo; /* all-ones lanes where x < lo (C has no vector ?:) */
+    x = (v8sf)(((v8si)x & ~below) | ((v8si)lo & below));
+    const v8sf magic = ps_splat(12582912.0f); /* 1.5 * 2^23: adds round to an integer */
+    v8sf t = x * ps_splat(1.44269504088896341f) + magic;
+    v8sf n = t - magic;
+    v8sf r = x - n * ps_splat(0.693359375f);
+    r = r - n * ps_splat(-2.12194440e-4f);
+    v8sf y = ps_splat(1.9875691500e-4f);
+    y = y * r + ps_splat(1.3981999507e-3f);
+    y = y * r + ps_splat(8.3334519073e-3f);
+    y = y * r + ps_splat(4.1665795894e-2f);
+    y = y * r + ps_splat(1.6666665459e-1f);
+    y = y * r + ps_splat(5.0000001201e-1f);
+    y = y * (r * r) + r + ps_splat(1.0f);
+    v8si bits = (v8si)t - (v8si)magic; /* n as an integer */
+    return (v8sf)((v8si)y + (bits << 23));
+}
+
+/* Scores of 8 consecutive tokens (rows token_stride apart) for one query vector. */
+static inline v8sf ps_scores8(const float *q, const float *k, int64_t token_stride, int64_t D) {
+    v8sf p[8];
+    for (int j = 0; j < 8; ++j) p[j] = ps_splat(0.0f);
+    for (int64_t d = 0; d < D; d += PS_LANES) {
+        const v8sf qv = ps_load(q + d);
+        for (int j = 0; j < 8; ++j) p[j] += qv * ps_load(k + j * token_stride + d);
+    }
+    return ps_hsum8(p);
+}
+
+/* One decode row, heads h0..h1-1: each block's keys (then values) are one contiguous
+ * block_size * num_kv_heads * head_dim run, read front to back once. */
+static void ps_decode_row(const ps_decode_args *a, int64_t r, int64_t h0, int64_t h1) {
+    const int64_t D = a->head_dim, G = a->num_heads / a->num_kv_heads, BS = a->block_size;
+    const int64_t token_stride = a->num_kv_heads * D;
+    float q[PS_MAX_HEADS][PS_MAX_HEAD_DIM] __attribute__((aligned(32)));
+    float acc[PS_MAX_HEADS][PS_MAX_HEAD_DIM] __attribute__((aligned(32)));
+    float s[PS_MAX_HEADS][PS_MAX_BLOCK] __attribute__((aligned(32)));
+    float m[PS_MAX_HEADS], l[PS_MAX_HEADS];
+    const int64_t nh = h1 - h0;
+
+    const float *qrow = a->query + a->token_rows[r] * a->query_row_stride;
+    for (int64_t i = 0; i < nh; ++i) {
+        for (int64_t d = 0; d < D; ++d) {
+            q[i][d] = qrow[(h0 + i) * D + d] * a->scale;
+            acc[i][d] = 0.0f;
+        }
+        m[i] = -INFINITY;
+        l[i] = 0.0f;
+    }
+
+    const int64_t last = a->seq_lens[r] - 1;
+    int64_t lo = a->first_block[r] * BS;
+    if (a->window > 0 && last - a->window + 1 > lo) lo = last - a->window + 1;
+    const int32_t *table = a->block_tables + a->seq_index[r] * a->block_table_stride;
+
+    for (int64_t b = lo / BS; b * BS <= last; ++b) {
+        const int64_t base = b * BS;
+        const int64_t t0 = lo > base ? lo - base : 0;                      /* first valid */
+        const int64_t t1 = last - base + 1 < BS ? last - base + 1 : BS;   /* one past last */
+        const int64_t c0 = t0 / PS_LANES * PS_LANES, c1 = (t1 + PS_LANES - 1) / PS_LANES * PS_LANES;
+        const int64_t block_off = (int64_t)table[b] * BS * token_stride;
+        const float *kb = a->k_cache + block_off;
+        const float *vb = a->v_cache + block_off;
+        for (int64_t i = 0; i < nh; ++i) {
+            const float *kh = kb + ((h0 + i) / G) * D;
+            for (int64_t c = c0; c < c1; c += PS_LANES)
+                *(v8sf *)&s[i][c] = ps_scores8(q[i], kh + c * token_stride, token_stride, D);
+            float bmax = s[i][t0];
+            for (int64_t t = t0 + 1; t < t1; ++t) bmax = s[i][t] > bmax ? s[i][t] : bmax;
+            const float new_m = bmax > m[i] ? bmax : m[i];
+            const float alpha = expf(m[i] - new_m); /* exp(-inf) = 0 on the first block */
+            const v8sf mv = ps_splat(new_m);
+            float sum = 0.0f;
+            for (int64_t c = c0; c < c1; c += PS_LANES) {
+                v8sf e = ps_exp8(*(v8sf *)&s[i][c] - mv);
+                for (int j = 0; j < PS_LANES; ++j) {
+                    const int64_t t = c + j;
+                    if (t < t0 || t >= t1) e[j] = 0.0f; /* outside the context: no weight */
+                    sum += e[j];
+                }
+                *(v8sf *)&s[i][c] = e;
+            }
+            if (alpha != 1.0f)
+                for (int64_t d = 0; d < D; d += PS_LANES)
+                    *(v8sf *)&acc[i][d] *= ps_splat(alpha);
+            l[i] = l[i] * alpha + sum;
+            m[i] = new_m;
+        }
+        for (int64_t i = 0; i < nh; ++i) {
+            const float *vh = vb + ((h0 + i) / G) * D;
+            for (int64_t d = 0; d < D; d += PS_LANES) {
+                v8sf av = *(v8sf *)&acc[i][d];
+                for (int64_t t = t0; t < t1; ++t)
+                    av += ps_splat(s[i][t]) * ps_load(vh + t * token_stride + d);
+                *(v8sf *)&acc[i][d] = av;
+            }
+        }
+    }
+
+    float *orow = a->out + a->token_rows[r] * a->out_row_stride;
+    for (int64_t i = 0; i < nh; ++i) {
+        const int64_t h = h0 + i;
+        const float inv = 1.0f / l[i];
+        for (int64_t d = 0; d < D; ++d) orow[h * D + d] = acc[i][d] * inv;
+        a->lse[r * a->num_heads + h] = m[i] + logf(l[i]);
+    }
+}
+
+/* Limits the caller checks before calling (stack buffers above). */
+int ps_decode_limits(int64_t *head_dim, int64_t *heads, int64_t *block_size, int64_t *lanes) {
+    *lanes = PS_LANES; /* head_dim and block_size must be multiples of it */
+    *head_dim = PS_MAX_HEAD_DIM;
+    *heads = PS_MAX_HEADS;
+    *block_size = PS_MAX_BLOCK;
+    return 0;
+}
+
+int ps_decode_attention_f32(const ps_decode_args *a) {
+    if (a->head_dim > PS_MAX_HEAD_DIM || a->block_size > PS_MAX_BLOCK ||
+        a->head_dim % PS_LANES != 0 || a->block_size % PS_LANES != 0 ||
+        a->num_kv_heads <= 0 || a->num_heads % a->num_kv_heads != 0 ||
+        a->num_heads > PS_MAX_HEADS)
+        return -1;
+    /* A task is a row (all heads), or a row's KV-head group when there are too few rows to
+     * keep every thread busy. Dynamic scheduling evens out rows of different lengths. */
+    const int64_t split = a->num_rows >= 4 * (int64_t)a->num_threads ? 1 : a->num_kv_heads;
+    const int64_t tasks = a->num_rows * split;
+    const int64_t heads_per_task = a->num_heads / split;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(a->num_threads)
+    for (int64_t i = 0; i < tasks; ++i) {
+        const int64_t h0 = (i % split) * heads_per_task;
+        ps_decode_row(a, i / split, h0, h0 + heads_per_task);
+    }
+    return 0;
+}

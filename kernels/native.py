@@ -1,0 +1,264 @@
+"""The CPU decode-attention kernel in C (``kernels/csrc/paged_decode.c``): build, load, call.
+
+Plain torch can only attend over a paged cache after gathering each sequence's blocks into a
+buffer (read, write, read again); the C kernel reads every cached key and value once. It is
+compiled at first use with the machine's C compiler (``$CC``, else ``cc``/``gcc``) for this CPU
+(``-march=native``) and cached under ``$PAGEDSERVE_KERNEL_CACHE`` (default
+``~/.cache/pagedserve/kernels``), keyed by the source, the compiler and the flags.
+
+It links OpenMP by the soname ``libgomp.so.1``: loaded after torch, the dynamic loader hands it
+the copy torch already uses, so the kernel's threads are torch's threads (no second pool
+spinning against the first).
+
+Nothing here is required: without a compiler, with ``PAGEDSERVE_NATIVE_KERNELS=0``, or for a
+dtype/shape the kernel does not cover, :class:`kernels.torch_backend.TorchBackend` keeps its
+pure-torch path, which stays the reference the kernel is tested against.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
+FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
+DISABLE_ENV = "PAGEDSERVE_NATIVE_KERNELS"
+CACHE_ENV = "PAGEDSERVE_KERNEL_CACHE"
+
+
+class _DecodeArgs(ctypes.Structure):
+    _fields_ = [
+        ("query", ctypes.c_void_p),
+        ("query_row_stride", ctypes.c_int64),
+        ("k_cache", ctypes.c_void_p),
+        ("v_cache", ctypes.c_void_p),
+        ("block_tables", ctypes.c_void_p),
+        ("block_table_stride", ctypes.c_int64),
+        ("token_rows", ctypes.c_void_p),
+        ("seq_index", ctypes.c_void_p),
+        ("first_block", ctypes.c_void_p),
+        ("seq_lens", ctypes.c_void_p),
+        ("num_rows", ctypes.c_int64),
+        ("num_heads", ctypes.c_int64),
+        ("num_kv_heads", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64),
+        ("block_size", ctypes.c_int64),
+        ("window", ctypes.c_int64),
+        ("scale", ctypes.c_float),
+        ("num_threads", ctypes.c_int32),
+        ("out", ctypes.c_void_p),
+        ("out_row_stride", ctypes.c_int64),
+        ("lse", ctypes.c_void_p),
+    ]
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """The decode rows of one step, as int64 CPU tensors of equal length ``n`` (built once per
+    step, reused by every layer)."""
+
+    token_rows: torch.Tensor  # row of query/out
+    seq_index: torch.Tensor  # row of the block table
+    first_block: torch.Tensor  # first block read
+    seq_lens: torch.Tensor  # context length including the new token
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.token_rows.shape[0])
+
+
+class NativeDecode:
+    """The loaded kernel library."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lib = ctypes.CDLL(str(path))
+        self._lib.ps_decode_attention_f32.argtypes = [ctypes.POINTER(_DecodeArgs)]
+        self._lib.ps_decode_attention_f32.restype = ctypes.c_int
+        limits = [ctypes.c_int64() for _ in range(4)]
+        self._lib.ps_decode_limits(*(ctypes.byref(x) for x in limits))
+        self.max_head_dim, self.max_heads, self.max_block_size, self.lanes = (
+            x.value for x in limits
+        )
+
+    def supports(self, query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        """float32 on the CPU, contiguous cache, shapes within the kernel's stack buffers."""
+        _, block_size, num_kv_heads, head_dim = k_cache.shape
+        num_heads = query.shape[1]
+        return (
+            query.device.type == "cpu"
+            and query.dtype == torch.float32
+            and k_cache.dtype == torch.float32
+            and k_cache.is_contiguous()
+            and query.stride(2) == 1
+            and query.stride(1) == head_dim
+            and num_heads % num_kv_heads == 0
+            and head_dim <= self.max_head_dim
+            and num_heads <= self.max_heads
+            and block_size <= self.max_block_size
+            and head_dim % self.lanes == 0
+            and block_size % self.lanes == 0
+        )
+
+    def decode(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        rows: DecodeRows,
+        scale: float,
+        window: int | None,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> None:
+        """Attention of every decode row; writes ``out[token_rows]`` and ``lse[:n]``.
+
+        The caller guarantees :meth:`supports`, an int32 contiguous ``block_tables`` and
+        ``v_cache`` shaped like ``k_cache``; the tensors must stay alive during the call.
+        """
+        _, block_size, num_kv_heads, head_dim = k_cache.shape
+        if v_cache.shape != k_cache.shape or not v_cache.is_contiguous():
+            raise ValueError("v_cache must be a contiguous tensor shaped like k_cache")
+        if block_tables.dtype != torch.int32 or not block_tables.is_contiguous():
+            raise ValueError("block_tables must be a contiguous int32 tensor")
+        if out.dtype != torch.float32 or out.stride(2) != 1 or out.stride(1) != head_dim:
+            raise ValueError("out must be float32 with contiguous heads")
+        args = _DecodeArgs(
+            query=query.data_ptr(),
+            query_row_stride=query.stride(0),
+            k_cache=k_cache.data_ptr(),
+            v_cache=v_cache.data_ptr(),
+            block_tables=block_tables.data_ptr(),
+            block_table_stride=block_tables.stride(0),
+            token_rows=rows.token_rows.data_ptr(),
+            seq_index=rows.seq_index.data_ptr(),
+            first_block=rows.first_block.data_ptr(),
+            seq_lens=rows.seq_lens.data_ptr(),
+            num_rows=rows.num_rows,
+            num_heads=query.shape[1],
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            block_size=block_size,
+            window=window or 0,
+            scale=scale,
+            num_threads=torch.get_num_threads(),
+            out=out.data_ptr(),
+            out_row_stride=out.stride(0),
+            lse=lse.data_ptr(),
+        )
+        if self._lib.ps_decode_attention_f32(ctypes.byref(args)) != 0:
+            raise ValueError("shapes outside the native decode kernel's limits")
+
+
+def _cache_dir() -> Path:
+    """First writable of: $PAGEDSERVE_KERNEL_CACHE, ~/.cache/pagedserve/kernels, the temp dir."""
+    candidates = []
+    if os.environ.get(CACHE_ENV):
+        candidates.append(Path(os.environ[CACHE_ENV]))
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    candidates.append(Path(xdg) / "pagedserve" / "kernels")
+    candidates.append(Path(tempfile.gettempdir()) / f"pagedserve-kernels-{os.getuid()}")
+    for path in candidates:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
+        if os.access(path, os.W_OK):
+            return path
+    raise OSError("no writable directory for compiled kernels")
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _build_key(compiler: str, flags: list[str]) -> str:
+    """Source, compiler version and flags; ``-march=native`` also depends on this CPU."""
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, check=False
+    ).stdout
+    cpu = ""
+    with contextlib.suppress(OSError):
+        flags_lines = [
+            line for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith(("flags", "Features"))
+        ]  # fmt: skip
+        cpu = flags_lines[0] if flags_lines else ""
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), version.encode(), " ".join(flags).encode(), cpu.encode()):
+        digest.update(part)
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]
+
+
+def build(force: bool = False) -> Path:
+    """Compile the kernel (or find it in the cache); returns the shared library's path.
+
+    Written to a temporary name and renamed into place, so concurrent builders (pytest-xdist
+    workers, two engines) never load a half-written file.
+    """
+    compiler = _compiler()
+    if compiler is None:
+        raise RuntimeError("no C compiler found (set CC, or install gcc)")
+    target = _cache_dir() / f"paged_decode-{_build_key(compiler, FLAGS)}.so"
+    if target.exists() and not force:
+        return target
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        cmd = [compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"]
+        result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr.strip()}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+_LOADED: NativeDecode | None = None
+_TRIED = False
+
+
+def load() -> NativeDecode | None:
+    """The kernel, built on first call; None (logged once) when disabled or not buildable."""
+    global _LOADED, _TRIED
+    if _TRIED:
+        return _LOADED
+    _TRIED = True
+    if os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        log.info("native CPU decode kernel disabled by %s", DISABLE_ENV)
+        return None
+    try:
+        _LOADED = NativeDecode(build())
+    except (OSError, RuntimeError) as exc:
+        log.warning("native CPU decode kernel unavailable, using the torch path: %s", exc)
+    return _LOADED
+
+
+def enabled() -> bool:
+    return load() is not None
+
+
+__all__ = ["DecodeRows", "NativeDecode", "build", "enabled", "load"]
+
+
+if __name__ == "__main__":  # pragma: no cover - `python -m kernels.native`: prebuild
+    print(build())

@@ -1,0 +1,155 @@
+"""The C decode kernel (kernels/csrc/paged_decode.c): build, load, and its answers against the
+float64 dense reference. The whole torch-backend suite also runs through it
+(tests/test_kernels_torch.py, ``decode_path`` fixture); these are the kernel's own cases."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import native
+from kernels.reference import reference_paged_attention
+from kernels.testing import make_batch
+from kernels.torch_backend import TorchBackend
+from tests.test_kernels_torch import run_and_compare
+
+needs_compiler = pytest.mark.skipif(
+    not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler on this machine"
+)
+
+
+def native_plans(backend: TorchBackend) -> list[bool]:
+    """Per planned (window, dtype) of the last step: whether its decodes went to the kernel."""
+    return [decode.native is not None for decode in backend._plan.decode.values()]
+
+
+@needs_compiler
+def test_builds_once_and_loads() -> None:
+    lib = native.load()
+    assert lib is not None
+    assert lib.path.exists()
+    assert native.build() == lib.path  # cached: same file, no rebuild
+    assert lib.lanes == 8 and lib.max_head_dim >= 128
+
+
+@needs_compiler
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="Linux only")
+def test_shares_torchs_openmp_runtime() -> None:
+    """Two OpenMP runtimes in one process would each keep a spinning thread pool."""
+    assert native.load() is not None
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    gomp = {line.split()[-1] for line in maps if "libgomp" in line}
+    assert len(gomp) == 1, gomp
+
+
+@needs_compiler
+@pytest.mark.parametrize("window", [None, 1, 100])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(8, 8), (8, 2), (16, 1)])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_spread_of_lengths_against_reference(
+    window: int | None, num_heads: int, num_kv_heads: int, block_size: int
+) -> None:
+    gen = torch.Generator().manual_seed(block_size + num_heads)
+    s_lens = torch.randint(1, 700, (40,), generator=gen).tolist()
+    batch = make_batch(
+        [1] * 40, s_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64,
+        block_size=block_size,
+    )  # fmt: skip
+    backend = TorchBackend(native=True)
+    run_and_compare(batch, sliding_window=window, backend=backend)
+    assert native_plans(backend) == [True]
+
+
+@needs_compiler
+def test_fewer_rows_than_threads_split_by_head() -> None:
+    batch = make_batch([1], [333], num_heads=8, num_kv_heads=4, head_dim=128, block_size=16)
+    backend = TorchBackend(native=True)
+    run_and_compare(batch, backend=backend)
+    assert native_plans(backend) == [True]
+
+
+@needs_compiler
+def test_large_scores_underflow_cleanly() -> None:
+    """Scores hundreds apart: most weights underflow to zero, none turns into inf/nan."""
+    batch = make_batch([1, 1, 1], [50, 200, 17], num_heads=4, num_kv_heads=2, head_dim=32,
+                       block_size=16)  # fmt: skip
+    batch.query.mul_(40.0)
+    run_and_compare(batch, backend=TorchBackend(native=True), atol=1e-4, rtol=1e-4)
+
+
+@needs_compiler
+def test_log_sum_exp_output() -> None:
+    """The kernel's lse is what the shared-prefix merge relies on: check it directly."""
+    lib = native.load()
+    assert lib is not None
+    s_lens = [5, 16, 17, 90]
+    batch = make_batch([1] * 4, s_lens, num_heads=4, num_kv_heads=2, head_dim=32, block_size=8)
+    rows = native.DecodeRows(
+        token_rows=torch.tensor([3, 2, 1, 0]),
+        seq_index=torch.tensor([3, 2, 1, 0]),
+        first_block=torch.zeros(4, dtype=torch.long),
+        seq_lens=torch.tensor(s_lens[::-1]),
+    )
+    out = torch.empty_like(batch.query)
+    lse = torch.empty(4, 4)
+    scale = 32**-0.5
+    lib.decode(batch.query, batch.k_cache, batch.v_cache, batch.meta.block_tables, rows, scale,
+               None, out, lse)  # fmt: skip
+    table = batch.meta.block_tables.tolist()
+    flat_k = batch.k_cache.double().view(-1, 2, 32)
+    for r, b in enumerate([3, 2, 1, 0]):
+        slots = [table[b][p // 8] * 8 + p % 8 for p in range(s_lens[b])]
+        keys = flat_k[slots].repeat_interleave(2, dim=1)  # [L, H, D]
+        scores = torch.einsum("hd,lhd->hl", batch.query[b].double(), keys) * scale
+        torch.testing.assert_close(lse[r].double(), torch.logsumexp(scores, -1), atol=1e-5,
+                                   rtol=1e-5)  # fmt: skip
+    expected = reference_paged_attention(
+        batch.query.double(), batch.k_cache.double(), batch.v_cache.double(), batch.meta, scale
+    )
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-4)
+
+
+@needs_compiler
+@pytest.mark.parametrize(
+    ("head_dim", "block_size", "dtype"),
+    [(36, 16, torch.float32), (32, 12, torch.float32), (32, 16, torch.float64)],
+)
+def test_uncovered_shapes_and_dtypes_stay_in_torch(
+    head_dim: int, block_size: int, dtype: torch.dtype
+) -> None:
+    batch = make_batch([1, 1, 4], [30, 70, 9], num_heads=4, num_kv_heads=2, head_dim=head_dim,
+                       block_size=block_size, dtype=dtype)  # fmt: skip
+    backend = TorchBackend(native=True)
+    tol = 1e-12 if dtype == torch.float64 else 2e-5
+    run_and_compare(batch, backend=backend, atol=tol, rtol=max(tol, 1e-10) * 5)
+    assert native_plans(backend) == [False]
+
+
+def test_required_but_unavailable_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "load", lambda: None)
+    with pytest.raises(RuntimeError, match="native CPU decode kernel"):
+        TorchBackend(native=True)
+    assert not TorchBackend().uses_native
+
+
+def test_disabled_by_environment() -> None:
+    code = "from kernels import native, torch_backend; print(native.load(), " \
+           "torch_backend.TorchBackend().uses_native)"  # fmt: skip
+    env = {**os.environ, native.DISABLE_ENV: "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).parent.parent)  # fmt: skip
+    assert out.stdout.split() == ["None", "False"]
+
+
+def test_no_compiler_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(native, "_TRIED", False)
+    monkeypatch.setattr(native, "_LOADED", None)
+    assert native.load() is None
