@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 import torch
 
 from scheduler.output import ScheduledSequence, SchedulerOutput
@@ -49,3 +55,42 @@ def test_tables_persist_and_copies_happen_before_the_pass(make_tiny_model) -> No
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     runner.execute(SchedulerOutput([], released_seq_ids=[0, 1]))
     assert not runner._row_of
+
+
+def _thp_mode() -> str:
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "unavailable"
+    return text.split("[", 1)[1].split("]", 1)[0]
+
+
+_HUGE_PAGES_PROBE = """
+import os, sys
+from worker.model_runner import ModelRunner
+from worker.outputs import EngineConfig
+runner = ModelRunner(sys.argv[1], EngineConfig(kv_cache_memory=64 << 20))
+huge = [l for l in open('/proc/self/smaps_rollup') if l.startswith('AnonHugePages')]
+print(os.environ.get('THP_MEM_ALLOC_ENABLE'), int(huge[0].split()[1]))
+"""
+
+
+@pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="no transparent huge pages")
+@pytest.mark.parametrize("setting", [None, "0"])
+def test_cpu_runner_asks_for_huge_pages_unless_told_not_to(
+    make_tiny_model, setting: str | None
+) -> None:
+    """The KV cache (64 MiB here) and large weights land on 2 MiB pages by default."""
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    if setting is not None:
+        env["THP_MEM_ALLOC_ENABLE"] = setting
+    out = subprocess.run(
+        [sys.executable, "-c", _HUGE_PAGES_PROBE, str(make_tiny_model("llama"))],
+        env=env, capture_output=True, text=True, check=True,
+        cwd=Path(__file__).parent.parent,
+    )  # fmt: skip
+    value, huge_kib = out.stdout.split()
+    if setting is None:
+        assert value == "1" and int(huge_kib) >= 32 * 1024
+    elif _thp_mode() == "madvise":
+        assert value == "0" and int(huge_kib) == 0

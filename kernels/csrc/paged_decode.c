@@ -117,6 +117,7 @@ static void ps_decode_row(const ps_decode_args *a, int64_t r, int64_t h0, int64_
     float s[PS_MAX_HEADS][PS_MAX_BLOCK] __attribute__((aligned(32)));
     float m[PS_MAX_HEADS], l[PS_MAX_HEADS];
     const int64_t nh = h1 - h0;
+    const int64_t G_task = nh < G ? nh : G; /* heads of the task sharing one KV head */
 
     const float *qrow = a->query + a->token_rows[r] * a->query_row_stride;
     for (int64_t i = 0; i < nh; ++i) {
@@ -141,10 +142,14 @@ static void ps_decode_row(const ps_decode_args *a, int64_t r, int64_t h0, int64_
         const int64_t block_off = (int64_t)table[b] * BS * token_stride;
         const float *kb = a->k_cache + block_off;
         const float *vb = a->v_cache + block_off;
+        /* scores, walking the block's keys front to back: 8 tokens (8 rows) at a time, every
+         * head of the task against them while they are in L1 */
+        for (int64_t c = c0; c < c1; c += PS_LANES) {
+            const float *kc = kb + c * token_stride;
+            for (int64_t i = 0; i < nh; ++i)
+                *(v8sf *)&s[i][c] = ps_scores8(q[i], kc + ((h0 + i) / G) * D, token_stride, D);
+        }
         for (int64_t i = 0; i < nh; ++i) {
-            const float *kh = kb + ((h0 + i) / G) * D;
-            for (int64_t c = c0; c < c1; c += PS_LANES)
-                *(v8sf *)&s[i][c] = ps_scores8(q[i], kh + c * token_stride, token_stride, D);
             float bmax = s[i][t0];
             for (int64_t t = t0 + 1; t < t1; ++t) bmax = s[i][t] > bmax ? s[i][t] : bmax;
             const float new_m = bmax > m[i] ? bmax : m[i];
@@ -166,13 +171,16 @@ static void ps_decode_row(const ps_decode_args *a, int64_t r, int64_t h0, int64_
             l[i] = l[i] * alpha + sum;
             m[i] = new_m;
         }
-        for (int64_t i = 0; i < nh; ++i) {
-            const float *vh = vb + ((h0 + i) / G) * D;
-            for (int64_t d = 0; d < D; d += PS_LANES) {
-                v8sf av = *(v8sf *)&acc[i][d];
-                for (int64_t t = t0; t < t1; ++t)
-                    av += ps_splat(s[i][t]) * ps_load(vh + t * token_stride + d);
-                *(v8sf *)&acc[i][d] = av;
+        /* values, front to back: each value vector is loaded once for its group of heads */
+        for (int64_t t = t0; t < t1; ++t) {
+            const float *vrow = vb + t * token_stride;
+            for (int64_t i = 0; i < nh; i += G_task) {
+                const float *vh = vrow + ((h0 + i) / G) * D;
+                for (int64_t d = 0; d < D; d += PS_LANES) {
+                    const v8sf v = ps_load(vh + d);
+                    for (int64_t g = 0; g < G_task; ++g)
+                        *(v8sf *)&acc[i + g][d] += ps_splat(s[i + g][t]) * v;
+                }
             }
         }
     }
