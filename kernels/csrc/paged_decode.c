@@ -155,19 +155,21 @@ static void ps_decode_row(const ps_decode_args *a, int64_t r, int64_t h0, int64_
             const float new_m = bmax > m[i] ? bmax : m[i];
             const float alpha = expf(m[i] - new_m); /* exp(-inf) = 0 on the first block */
             const v8sf mv = ps_splat(new_m);
-            float sum = 0.0f;
+            v8sf vsum = ps_splat(0.0f);
             for (int64_t c = c0; c < c1; c += PS_LANES) {
                 v8sf e = ps_exp8(*(v8sf *)&s[i][c] - mv);
-                for (int j = 0; j < PS_LANES; ++j) {
-                    const int64_t t = c + j;
-                    if (t < t0 || t >= t1) e[j] = 0.0f; /* outside the context: no weight */
-                    sum += e[j];
+                if (c < t0 || c + PS_LANES > t1) {
+                    for (int j = 0; j < PS_LANES; ++j) /* outside the context: no weight */
+                        if (c + j < t0 || c + j >= t1) e[j] = 0.0f;
                 }
                 *(v8sf *)&s[i][c] = e;
+                vsum += e;
             }
             if (alpha != 1.0f)
                 for (int64_t d = 0; d < D; d += PS_LANES)
                     *(v8sf *)&acc[i][d] *= ps_splat(alpha);
+            const float sum = vsum[0] + vsum[1] + vsum[2] + vsum[3] + vsum[4] + vsum[5] +
+                              vsum[6] + vsum[7];
             l[i] = l[i] * alpha + sum;
             m[i] = new_m;
         }
