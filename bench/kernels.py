@@ -5,6 +5,8 @@ project benchmarks):
 
 * decode at (batch 64, ctx 512) and (batch 256, ctx 256): milliseconds, achieved GB/s of K/V
   read, and the ratio against a dense SDPA over contiguous K/V of the same shape (same process);
+  ``ms`` is the backend as the engine runs it (the C decode kernel when it builds: ``native``),
+  ``torch_path_ms`` the pure-torch path on the same batch;
 * prefill of 512 fresh tokens, and a 512-token chunk after 512 cached tokens;
 * ``shared_prefix``: 32 decodes sharing 1024 cached tokens (the same physical blocks) plus 32
   private tokens each, the cascade path against the gathered path (same process);
@@ -58,6 +60,8 @@ class DecodeResult:
     ctx: int
     ms: float
     kv_gbps: float
+    native: bool
+    torch_path_ms: float
     dense_sdpa_ms: float
     ratio_vs_dense: float
     memcpy_gbps: float
@@ -74,11 +78,17 @@ def bench_decode(batch: int, ctx: int, repeats: int) -> DecodeResult:
     query = torch.randn(batch, NUM_HEADS, HEAD_DIM, generator=gen)
     key = torch.randn(batch, NUM_KV_HEADS, HEAD_DIM, generator=gen)
     value = torch.randn(batch, NUM_KV_HEADS, HEAD_DIM, generator=gen)
-    backend = TorchBackend()
     scale = HEAD_DIM**-0.5
-    ours = median_seconds(
-        lambda: backend.paged_attention(query, key, value, k_cache, v_cache, meta, scale), repeats
-    )
+
+    def timed(backend: TorchBackend) -> float:
+        return median_seconds(
+            lambda: backend.paged_attention(query, key, value, k_cache, v_cache, meta, scale),
+            repeats,
+        )
+
+    backend = TorchBackend()
+    ours = timed(backend)
+    torch_path = timed(TorchBackend(native=False))
     k_dense = torch.randn(batch, NUM_KV_HEADS, ctx, HEAD_DIM, generator=gen)
     v_dense = torch.randn(batch, NUM_KV_HEADS, ctx, HEAD_DIM, generator=gen)
     q_dense = query.unsqueeze(2)
@@ -94,6 +104,8 @@ def bench_decode(batch: int, ctx: int, repeats: int) -> DecodeResult:
         ctx=ctx,
         ms=round(ours * 1e3, 3),
         kv_gbps=round(gbps, 2),
+        native=backend.uses_native,
+        torch_path_ms=round(torch_path * 1e3, 3),
         dense_sdpa_ms=round(dense * 1e3, 3),
         ratio_vs_dense=round(ours / dense, 3),
         memcpy_gbps=round(copy, 2),
