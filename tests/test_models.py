@@ -356,3 +356,16 @@ def test_qwen2_sliding_window_on_upper_layers_matches_transformers(
     assert model.config.sliding_window == 12
     ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     run_and_compare(model, ref, random_prompt(45, model.config.vocab_size, seed=9))
+
+
+@pytest.mark.parametrize("rows", [1, 8, 96, 2048])
+def test_rms_norm_fused_path_is_bit_identical_to_the_composite(rows: int) -> None:
+    """float32 uses F.rms_norm; it must equal Hugging Face's composite formula exactly."""
+    from worker.models.layers import RMSNorm
+
+    norm = RMSNorm(512, 1e-6, torch.float32, "cpu")
+    gen = torch.Generator().manual_seed(rows)
+    norm.weight.data.copy_(torch.randn(512, generator=gen))
+    x = torch.randn(rows, 512, generator=gen) * 3
+    composite = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    assert torch.equal(norm(x), composite)
