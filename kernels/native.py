@@ -163,8 +163,17 @@ class NativeDecode:
             raise ValueError("shapes outside the native decode kernel's limits")
 
 
+def _private(path: Path) -> bool:
+    """Ours and writable by nobody else: we load code from here, so nobody else may plant it."""
+    st = path.stat()
+    return st.st_uid == os.getuid() and not st.st_mode & 0o022
+
+
 def _cache_dir() -> Path:
-    """First writable of: $PAGEDSERVE_KERNEL_CACHE, ~/.cache/pagedserve/kernels, the temp dir."""
+    """First usable of: $PAGEDSERVE_KERNEL_CACHE, ~/.cache/pagedserve/kernels, the temp dir.
+
+    Usable: creatable, writable, owned by this user and not group/world-writable (a shared
+    temp dir must not let another user put a library where we would load it)."""
     candidates = []
     if os.environ.get(CACHE_ENV):
         candidates.append(Path(os.environ[CACHE_ENV]))
@@ -173,12 +182,13 @@ def _cache_dir() -> Path:
     candidates.append(Path(tempfile.gettempdir()) / f"pagedserve-kernels-{os.getuid()}")
     for path in candidates:
         try:
-            path.mkdir(parents=True, exist_ok=True)
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if os.access(path, os.W_OK) and _private(path):
+                return path
         except OSError:
             continue
-        if os.access(path, os.W_OK):
-            return path
-    raise OSError("no writable directory for compiled kernels")
+        log.warning("not using %s for compiled kernels: not private to this user", path)
+    raise OSError("no private writable directory for compiled kernels")
 
 
 def _compiler() -> str | None:

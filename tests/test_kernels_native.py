@@ -153,3 +153,18 @@ def test_no_compiler_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
     monkeypatch.setattr(native, "_TRIED", False)
     monkeypatch.setattr(native, "_LOADED", None)
     assert native.load() is None
+
+
+def test_cache_dir_must_be_private(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A directory others can write to is skipped: we load shared libraries from it."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    private = tmp_path / "private"
+    monkeypatch.setenv(native.CACHE_ENV, str(shared))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(private))
+    chosen = native._cache_dir()
+    assert chosen == private / "pagedserve" / "kernels"
+    assert not chosen.stat().st_mode & 0o077
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "mine"))
+    assert native._cache_dir() == tmp_path / "mine"
