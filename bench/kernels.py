@@ -9,7 +9,8 @@ project benchmarks):
   ``torch_path_ms`` the pure-torch path on the same batch;
 * prefill of 512 fresh tokens, and a 512-token chunk after 512 cached tokens;
 * ``shared_prefix``: 32 decodes sharing 1024 cached tokens (the same physical blocks) plus 32
-  private tokens each, the cascade path against the gathered path (same process);
+  private tokens each, the cascade path against every sequence reading the shared blocks itself
+  (``gathered_ms``: through the C kernel when it is built, else gathered in torch);
 * the machine's memcpy bandwidth (bytes read per second while copying a buffer the size of the
   decode K/V), measured alongside, since the machine is shared and its bandwidth drifts.
 
