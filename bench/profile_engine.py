@@ -1,6 +1,7 @@
 """Where our engine's time goes on the bench model's ``mixed`` workload (no engine changes).
 
-Pass 1 wraps engine, scheduler, runner, attention backend, sampler, detokenizer and ``F.linear``
+Pass 1 wraps engine, scheduler, runner, attention backend (and its C decode kernel), sampler,
+detokenizer and the projections (``worker.models.layers.linear``)
 with perf_counter accumulators (a few microseconds per call) and reports each phase's share of wall
 time. Pass 2 (``--torch-profiler``) runs a smaller slice under torch.profiler and lists the top
 aten ops by self CPU time. Prints one JSON line.
@@ -45,11 +46,13 @@ def install_timers() -> None:
     """Class-level wrappers: every instance created afterwards is timed."""
     import torch.nn.functional as F
 
+    from kernels.native import NativeDecode
     from kernels.torch_backend import TorchBackend
     from scheduler.scheduler import Scheduler
     from worker.detokenizer import IncrementalDetokenizer
     from worker.engine import Engine
     from worker.model_runner import ModelRunner
+    from worker.models import decoder, layers
     from worker.sampler import Sampler
 
     patch(Engine, "step", "engine.step")
@@ -68,6 +71,10 @@ def install_timers() -> None:
     patch(Engine, "_on_token", "engine.on_token")
     patch(Engine, "_output", "engine.output")
     patch(IncrementalDetokenizer, "add", "detok.add")
+    patch(NativeDecode, "decode", "attn.native_decode")
+    # projections go through worker.models.layers.linear (oneDNN on CPUs), not F.linear
+    patch(layers, "linear", "linear")
+    patch(decoder, "linear", "linear")
     patch(F, "linear", "F.linear")
 
 
@@ -95,7 +102,7 @@ def phase_table(wall: float) -> dict[str, Any]:
     known = TOTALS["scheduler.schedule"] + TOTALS["runner.execute"]
     known += TOTALS["engine.sample_total"] + TOTALS["scheduler.postprocess"]
     known += TOTALS["engine.on_token"] + TOTALS["engine.output"]
-    model_other = TOTALS["runner.execute"] - TOTALS["F.linear"] - TOTALS["attn.paged_attention"]
+    model_other = TOTALS["runner.execute"] - TOTALS["linear"] - TOTALS["attn.paged_attention"]
     model_other -= TOTALS["attn.write_kv"]
     derived = {
         "outside_step_pct": round(100 * (wall - step) / wall, 1),

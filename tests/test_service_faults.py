@@ -38,10 +38,15 @@ def test_kill9_mid_run_every_job_exactly_once(
     params = {**SHORT, "max_tokens": 40}
     ids = client.submit_many([f"job number {i}" for i in range(300)], params, priority="bulk")
     a = start_worker(redis_url, model_dir, "a", "--max-num-seqs", "32")
-    wait_for(
-        lambda: sum(s == JobStatus.SUCCEEDED for s in client.store.statuses(ids)) >= 60,
-        what="60 jobs done",
-    )
+
+    def mid_run() -> bool:
+        # Waves of 32 equal jobs finish on one step: right after one, nothing may be leased yet,
+        # so wait for a moment with jobs in flight (a wave takes 40+ steps, the kill below ~1 ms).
+        statuses = client.store.statuses(ids)
+        done = sum(s == JobStatus.SUCCEEDED for s in statuses)
+        return done >= 60 and any(s == JobStatus.RUNNING for s in statuses)
+
+    wait_for(mid_run, what="60 jobs done and more running")
     a.kill()
     running = [j for j, s in zip(ids, client.store.statuses(ids), strict=True) if s == "running"]
     assert running, "the kill should leave leased jobs behind"
