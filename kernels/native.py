@@ -263,11 +263,7 @@ def load() -> NativeDecode | None:
     return _LOADED
 
 
-def enabled() -> bool:
-    return load() is not None
-
-
-__all__ = ["DecodeRows", "NativeDecode", "build", "enabled", "load"]
+__all__ = ["DecodeRows", "NativeDecode", "build", "load"]
 
 
 if __name__ == "__main__":  # pragma: no cover - `python -m kernels.native`: prebuild

@@ -104,14 +104,21 @@ class _PrefillWork:
 
 
 @dataclass
+class _NativeMerge:
+    """Decode rows whose context starts with a shared prefix computed separately."""
+
+    tokens: torch.Tensor  # int64 [m]: their rows of the flat batch (and of ``out``)
+    rows: torch.Tensor  # int64 [m]: their rows in the kernel's lse output
+    slots: torch.Tensor | slice  # their rows of the step's shared-prefix results
+
+
+@dataclass
 class _NativeDecode:
     """Every decode row of the step for the C kernel, and the rows to merge with a prefix."""
 
     rows: DecodeRows
     block_tables: torch.Tensor  # int32, contiguous
-    merge_tokens: torch.Tensor | None  # int64 [m]: token rows whose context starts shared
-    merge_rows: torch.Tensor | None  # int64 [m]: their rows in the kernel's lse output
-    merge_slots: torch.Tensor | slice | None  # their rows of the shared-prefix results
+    merge: _NativeMerge | None
 
 
 @dataclass
@@ -145,6 +152,13 @@ class _Plan:
 
 def _long(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long, device=device)
+
+
+def _slots_index(slots: list[int], device: torch.device) -> torch.Tensor | slice:
+    """Rows of the shared-prefix results: a slice when they are one range (the usual case)."""
+    if slots == list(range(slots[0], slots[-1] + 1)):
+        return slice(slots[0], slots[-1] + 1)
+    return _long(slots, device)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -256,12 +270,9 @@ def _make_chunk(
     local = [i for i, r in enumerate(sel) if r.shared_slot >= 0]
     merge = None
     if local:
-        slots = [sel[i].shared_slot for i in local]
         merge = _Merge(
             local=None if len(local) == len(sel) else _long(local, device),
-            slots=slice(slots[0], slots[-1] + 1)
-            if slots == list(range(slots[0], slots[-1] + 1))
-            else _long(slots, device),
+            slots=_slots_index([sel[i].shared_slot for i in local], device),
         )
     return _DecodeChunk(
         token_idx=torch.tensor([r.token_row for r in sel], dtype=torch.long, device=device),
@@ -399,18 +410,14 @@ def _make_native(rows: list[_DecodeRow], meta: AttentionMetadata) -> _NativeDeco
     tables = meta.block_tables
     if tables.dtype != torch.int32 or not tables.is_contiguous():
         tables = tables.to(torch.int32).contiguous()
-    if not merged:
-        return _NativeDecode(kernel_rows, tables, None, None, None)
-    slots = [rows[i].shared_slot for i in merged]
-    return _NativeDecode(
-        rows=kernel_rows,
-        block_tables=tables,
-        merge_tokens=_long([rows[i].token_row for i in merged], device),
-        merge_rows=_long(merged, device),
-        merge_slots=slice(slots[0], slots[-1] + 1)
-        if slots == list(range(slots[0], slots[-1] + 1))
-        else _long(slots, device),
-    )
+    merge = None
+    if merged:
+        merge = _NativeMerge(
+            tokens=_long([rows[i].token_row for i in merged], device),
+            rows=_long(merged, device),
+            slots=_slots_index([rows[i].shared_slot for i in merged], device),
+        )
+    return _NativeDecode(kernel_rows, tables, merge)
 
 
 def _flash(
@@ -620,16 +627,16 @@ class TorchBackend:
         self._native.decode(
             query, k_cache, v_cache, work.block_tables, work.rows, scale, window, out, lse
         )
-        if work.merge_tokens is None or shared is None:
+        m = work.merge
+        if m is None or shared is None:
             return
-        assert work.merge_rows is not None and work.merge_slots is not None
         merged = _merge_into(
-            out.index_select(0, work.merge_tokens),
-            lse.index_select(0, work.merge_rows),
-            _Merge(local=None, slots=work.merge_slots),
+            out.index_select(0, m.tokens),
+            lse.index_select(0, m.rows),
+            _Merge(local=None, slots=m.slots),
             *shared,
         )
-        out.index_copy_(0, work.merge_tokens, merged)
+        out.index_copy_(0, m.tokens, merged)
 
     def _shared_prefixes(
         self,
