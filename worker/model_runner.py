@@ -68,8 +68,8 @@ def enable_huge_pages() -> None:
 
     Weights (~110 MB for the bench model) and the KV cache are re-read every step, in 4 KiB
     pages a TLB miss every few rows; with ``THP_MEM_ALLOC_ENABLE=1`` torch aligns large
-    allocations to 2 MiB and ``madvise``s them, which cut the bench's mixed run from 37.0 s to
-    32.6 s on 2 EPYC cores (``/sys/kernel/mm/transparent_hugepage/enabled`` = madvise). torch
+    allocations to 2 MiB and ``madvise``s them: +6% on the bench's mixed run on 2 EPYC cores
+    (interleaved A/B, 2 runs each; ``/sys/kernel/mm/transparent_hugepage/enabled`` = madvise). torch
     reads the variable once, at its first large allocation, so this must run before the weights
     load; a value already set (``0`` to opt out) is left alone.
     """
