@@ -3,8 +3,9 @@
 Each system runs in its own fresh subprocess (``bench/peers/``) on the same checkpoint and the same
 token-id prompts (passed through a JSON file), warmed up, timed around the whole generate, with
 ``ignore_eos``, greedy decoding and per-request ``max_tokens``; tok/s counts only requested output
-tokens. MFU = 2 x non-embedding params x (prompt + output tokens) / wall / peak, with the peak fp32
-matmul FLOP/s measured in the same run on the same thread count. Prints one JSON line.
+tokens. MFU = 2 x non-embedding params x (computed prompt + output tokens) / wall / peak
+(prefix-cache hits are not computed), with the peak fp32 matmul FLOP/s measured in the same
+run on the same thread count. Prints one JSON line.
 
     python -m bench.throughput [--preset quick|full] [--workload mixed|uniform|shared-prefix|all]
         [--model DIR] [--vllm-python PATH] [--systems ours,hf-static,hf-cb,vllm] [--threads 2]
@@ -210,7 +211,9 @@ def add_mfu(result: dict[str, Any], wl: Workload, ctx: dict[str, Any]) -> dict[s
     wall = result.get("wall_s")
     if not wall:
         return result
-    flops = 2 * ctx["params"] * (wl.prompt_tokens + wl.output_tokens) / wall
+    # Prompt tokens served from the prefix cache are not computed: they do not count as work.
+    computed = wl.prompt_tokens - int(result.get("prefix_hit_tokens") or 0) + wl.output_tokens
+    flops = 2 * ctx["params"] * computed / wall
     result["mfu_pct"] = round(100 * flops / (ctx["peak_gflops"] * 1e9), 1)
     result["mfu_pct_vs_315"] = round(100 * flops / (PEERS_REFERENCE["peak_gflops"] * 1e9), 1)
     return result

@@ -1,5 +1,10 @@
 """fp32 matmul FLOP/s of this machine with torch on N threads (the MFU denominator).
 
+Each shape is timed through torch's default GEMM (``torch.mm``) and through oneDNN's linear
+(what our engine's projections call on CPUs); the peak is the best of all, so that MFU is measured
+against the fastest matmul this machine showed, not the slower of two libraries (on AMD CPUs
+oneDNN was up to 1.6x faster than the default).
+
 python -m bench.peers.peak THREADS RESULT_JSON
 """
 
@@ -7,6 +12,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 
 from bench.peers.job import set_threads, write_result
 
@@ -18,31 +24,50 @@ SHAPES: dict[str, tuple[int, int, int]] = {
 }
 
 
-def gflops(m: int, k: int, n: int, min_seconds: float = 0.4) -> float:
+def matmul_call(m: int, k: int, n: int, library: str) -> Callable[[], object]:
+    """A closure computing one [m, k] x [k, n] product with ``library`` ("mm" or "onednn")."""
     import torch
 
     a = torch.randn(m, k)
-    b = torch.randn(k, n)
-    c = torch.empty(m, n)
+    if library == "mm":
+        b, c = torch.randn(k, n), torch.empty(m, n)
+        return lambda: torch.mm(a, b, out=c)
+    weight = torch.randn(n, k)  # nn.Linear layout, as the engine's projections hold it
+    onednn = torch.ops.mkldnn._linear_pointwise
+    return lambda: onednn(a, weight, None, "none", [], "")
+
+
+def gflops(m: int, k: int, n: int, library: str = "mm", min_seconds: float = 0.4) -> float:
+    call = matmul_call(m, k, n, library)
     for _ in range(3):
-        torch.mm(a, b, out=c)
+        call()
     best = 0.0
     deadline = time.perf_counter() + min_seconds
     reps = max(1, int(2e8 // (m * k * n)))
     while True:
         t0 = time.perf_counter()
         for _ in range(reps):
-            torch.mm(a, b, out=c)
+            call()
         dt = time.perf_counter() - t0
         best = max(best, 2 * m * k * n * reps / dt / 1e9)
         if time.perf_counter() > deadline:
             return best
 
 
+def libraries() -> list[str]:
+    import torch
+
+    return ["mm", "onednn"] if hasattr(torch.ops.mkldnn, "_linear_pointwise") else ["mm"]
+
+
 def main() -> None:
     threads, out = int(sys.argv[1]), sys.argv[2]
     set_threads(threads)
-    figures = {name: round(gflops(*shape), 1) for name, shape in SHAPES.items()}
+    figures = {
+        name if lib == "mm" else f"{name}_onednn": round(gflops(*shape, library=lib), 1)
+        for lib in libraries()
+        for name, shape in SHAPES.items()
+    }
     peak = max(figures.values())
     write_result(out, {"threads": threads, "gflops": figures, "peak_gflops": peak})
 

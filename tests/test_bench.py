@@ -1,0 +1,86 @@
+"""The throughput benchmark itself: its arithmetic, and one real quick run end to end.
+
+Speed is never asserted here (shared machines are noisy); these tests check that the benchmark
+runs from a checkout, that every system generated exactly the requested tokens, and that the
+figures it derives (ratios, medians, MFU) are computed from what was measured.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.throughput import (
+    REPO,
+    Workload,
+    add_mfu,
+    median_result,
+    parse_args,
+    pick_systems,
+    ratio,
+)
+
+
+def _workload(prompt_tokens: int, output_tokens: int) -> Workload:
+    return Workload("w", [[1] * prompt_tokens], [output_tokens], 1024)
+
+
+def test_mfu_counts_only_computed_tokens() -> None:
+    ctx = {"params": 1_000_000, "peak_gflops": 1.0}
+    wl = _workload(900, 100)
+    plain = add_mfu({"wall_s": 2.0}, wl, ctx)
+    # 2 * 1e6 * 1000 tokens / 2 s = 1 GFLOP/s = 100% of a 1 GFLOP/s peak
+    assert plain["mfu_pct"] == pytest.approx(100.0)
+    cached = add_mfu({"wall_s": 2.0, "prefix_hit_tokens": 800}, wl, ctx)
+    assert cached["mfu_pct"] == pytest.approx(20.0)  # only 100 prompt + 100 output computed
+    assert "mfu_pct" not in add_mfu({"ok": False}, wl, ctx)
+
+
+def test_median_and_ratio() -> None:
+    runs: list[dict[str, Any]] = [{"output_tok_s": v} for v in (30.0, 10.0, 20.0)]
+    mid = median_result(runs)
+    assert mid["output_tok_s"] == 20.0
+    assert mid["runs_output_tok_s"] == [30.0, 10.0, 20.0]
+    assert median_result([{"output_tok_s": 4.0}, {"output_tok_s": 2.0}])["output_tok_s"] == 2.0
+    assert median_result([{"ok": False}]) == {"ok": False}
+    assert ratio({"output_tok_s": 30.0}, {"output_tok_s": 10.0}) == 3.0
+    assert ratio({"output_tok_s": 30.0}, {"ok": False}) is None
+
+
+def test_system_choice_is_checked() -> None:
+    with pytest.raises(SystemExit, match="unknown systems"):
+        pick_systems(parse_args(["--systems", "ours,tgi"]))
+    with pytest.raises(SystemExit, match="--vllm-python"):
+        pick_systems(parse_args(["--systems", "ours,vllm"]))
+    assert "vllm" not in pick_systems(parse_args([]))
+
+
+def test_quick_run_end_to_end(tiny_model_dir: Path) -> None:
+    """Ours and static transformers on every workload of the quick preset, in subprocesses."""
+    cmd = [sys.executable, "-m", "bench.throughput", "--preset", "quick", "--workload", "all",
+           "--systems", "ours,hf-static", "--model", str(tiny_model_dir)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert line["bench"] == "throughput" and line["peak_gflops"] > 0
+    for name in ("mixed", "uniform"):
+        body = line["workloads"][name]
+        for system in ("ours", "hf-static"):
+            res = body["systems"][system]
+            assert res["ok"], res  # each peer checks it generated exactly max_tokens per prompt
+            assert res["output_tok_s"] > 0 and res["mfu_pct"] > 0
+        ours = body["systems"]["ours"]
+        assert ours["length_mismatches"] == 0
+        assert 0 <= ours["kv_waste_pct"] < 100
+        expected = round(ours["output_tok_s"] / body["systems"]["hf-static"]["output_tok_s"], 2)
+        assert body["ratios"]["ours/hf-static"] == expected
+    shared = line["workloads"]["shared-prefix"]
+    on, off = shared["systems"]["ours-prefix-on"], shared["systems"]["ours-prefix-off"]
+    assert on["ok"] and off["ok"]
+    assert shared["prefix_hit_rate"] > 0.5  # a 1024-token system prompt ahead of short suffixes
+    assert off["prefix_hit_tokens"] == 0
