@@ -50,15 +50,20 @@ def test_shares_torchs_openmp_runtime() -> None:
 
 @needs_compiler
 @pytest.mark.parametrize("window", [None, 1, 100])
-@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(8, 8), (8, 2), (16, 1)])
+# (8, 4, 64) and (16, 4, 128) with block size 16 take the kernel's compile-time specialised
+# paths (GQA pairs with register-resident value accumulators; 4-way groups); the rest the generic.
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"),
+    [(8, 8, 64), (8, 2, 64), (16, 1, 64), (8, 4, 64), (16, 4, 128)],
+)
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 def test_spread_of_lengths_against_reference(
-    window: int | None, num_heads: int, num_kv_heads: int, block_size: int
+    window: int | None, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
 ) -> None:
     gen = torch.Generator().manual_seed(block_size + num_heads)
     s_lens = torch.randint(1, 700, (40,), generator=gen).tolist()
     batch = make_batch(
-        [1] * 40, s_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64,
+        [1] * 40, s_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
         block_size=block_size,
     )  # fmt: skip
     backend = TorchBackend(native=True)
@@ -67,8 +72,9 @@ def test_spread_of_lengths_against_reference(
 
 
 @needs_compiler
-def test_fewer_rows_than_threads_split_by_head() -> None:
-    batch = make_batch([1], [333], num_heads=8, num_kv_heads=4, head_dim=128, block_size=16)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fewer_rows_than_threads_split_by_head(head_dim: int) -> None:
+    batch = make_batch([1], [333], num_heads=8, num_kv_heads=4, head_dim=head_dim, block_size=16)
     backend = TorchBackend(native=True)
     run_and_compare(batch, backend=backend)
     assert native_plans(backend) == [True]

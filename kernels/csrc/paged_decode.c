@@ -7,9 +7,12 @@
  * heads; or one KV-head group per task when rows are too few to keep the threads busy) walks its
  * block table and reads each key and value exactly once, with an online softmax (running max
  * and sum, rescaled per block), and asks for the next block's lines while it computes the
- * current one. Measured (bench/kernels.py, batch 64 x 512 tokens, 2 threads) at ~37 GB/s of K/V
- * on AVX-512 EPYC cores, 1.2x faster than a dense SDPA over contiguous K/V; 24 GB/s there without
- * the prefetch. (On an older AVX2 machine the version without it read ~10 GB/s; not re-measured.)
+ * current one. Common shapes (head_dim 64 / GQA 2, head_dim 128 / GQA 4, block 16) are compiled
+ * with constant sizes; GQA pairs share key loads and keep their value accumulators in registers.
+ * Measured (bench/kernels.py, batch 64 x 512 tokens, 2 threads, AVX-512 EPYC cores) at 36-41 GB/s
+ * of K/V, ~0.7x the time of a dense SDPA over contiguous K/V; 24 GB/s before the prefetch and the
+ * specialisations (the prefetch gave most of it). On an older AVX2 machine the version without
+ * either read ~10 GB/s; not re-measured there (code built with -march=haswell here: also faster).
  *
  * Layout (see kernels/__init__.py): k_cache, v_cache: [num_blocks, block_size, num_kv_heads,
  * head_dim], contiguous. Query head h reads KV head h / (num_heads / num_kv_heads).
@@ -111,6 +114,23 @@ static inline v8sf ps_scores8(const float *q, const float *k, int64_t token_stri
     return ps_hsum8(p);
 }
 
+/* ps_scores8 for two query heads reading the same keys (GQA): each key vector loaded once. */
+static inline void ps_scores8x2(const float *q0, const float *q1, const float *k,
+                                int64_t token_stride, int64_t D, float *s0, float *s1) {
+    v8sf p0[8], p1[8];
+    for (int j = 0; j < 8; ++j) p0[j] = p1[j] = ps_splat(0.0f);
+    for (int64_t d = 0; d < D; d += PS_LANES) {
+        const v8sf qa = ps_load(q0 + d), qb = ps_load(q1 + d);
+        for (int j = 0; j < 8; ++j) {
+            const v8sf kv = ps_load(k + j * token_stride + d);
+            p0[j] += qa * kv;
+            p1[j] += qb * kv;
+        }
+    }
+    *(v8sf *)s0 = ps_hsum8(p0);
+    *(v8sf *)s1 = ps_hsum8(p1);
+}
+
 /* Asks for the cache lines of rows [0, n) of a block (rows token_stride floats apart), floats
  * [off, off + len) of each row, to be brought into L1 ahead of use (64-byte lines).
  *
@@ -128,8 +148,9 @@ static inline void ps_prefetch_rows(const float *base, int64_t n, int64_t token_
 
 /* One decode row, heads h0..h1-1: each block's keys (then values) are one contiguous
  * block_size * num_kv_heads * head_dim run, read front to back once. */
-static void ps_decode_row(const ps_decode_args *a, int64_t r, int64_t h0, int64_t h1) {
-    const int64_t D = a->head_dim, G = a->num_heads / a->num_kv_heads, BS = a->block_size;
+static inline __attribute__((always_inline)) void ps_decode_row_impl(
+    const ps_decode_args *a, int64_t r, int64_t h0, int64_t h1, const int64_t D,
+    const int64_t G, const int64_t BS) {
     const int64_t token_stride = a->num_kv_heads * D;
     float q[PS_MAX_HEADS][PS_MAX_HEAD_DIM] __attribute__((aligned(32)));
     float acc[PS_MAX_HEADS][PS_MAX_HEAD_DIM] __attribute__((aligned(32)));
@@ -172,8 +193,13 @@ static void ps_decode_row(const ps_decode_args *a, int64_t r, int64_t h0, int64_
             const float *kc = kb + c * token_stride;
             if (has_next)
                 ps_prefetch_rows(kn + c * token_stride, PS_LANES, token_stride, pf_off, pf_len);
-            for (int64_t i = 0; i < nh; ++i)
-                *(v8sf *)&s[i][c] = ps_scores8(q[i], kc + ((h0 + i) / G) * D, token_stride, D);
+            if (G == 2)
+                for (int64_t i = 0; i < nh; i += 2)
+                    ps_scores8x2(q[i], q[i + 1], kc + ((h0 + i) / G) * D, token_stride, D,
+                                 &s[i][c], &s[i + 1][c]);
+            else
+                for (int64_t i = 0; i < nh; ++i)
+                    *(v8sf *)&s[i][c] = ps_scores8(q[i], kc + ((h0 + i) / G) * D, token_stride, D);
         }
         for (int64_t i = 0; i < nh; ++i) {
             float bmax = s[i][t0];
@@ -200,6 +226,30 @@ static void ps_decode_row(const ps_decode_args *a, int64_t r, int64_t h0, int64_
             m[i] = new_m;
         }
         /* values, front to back: each value vector is loaded once for its group of heads */
+        if (G == 2 && D == 64) { /* the group's 16 accumulators stay in registers */
+            for (int64_t i = 0; i < nh; i += 2) {
+                v8sf a0[8], a1[8];
+                for (int j = 0; j < 8; ++j) {
+                    a0[j] = *(v8sf *)&acc[i][j * PS_LANES];
+                    a1[j] = *(v8sf *)&acc[i + 1][j * PS_LANES];
+                }
+                const float *vh = vb + ((h0 + i) / G) * D, *vh_next = vn + ((h0 + i) / G) * D;
+                for (int64_t t = t0; t < t1; ++t) {
+                    if (has_next) ps_prefetch_rows(vh_next + t * token_stride, 1, 0, 0, D);
+                    const v8sf w0 = ps_splat(s[i][t]), w1 = ps_splat(s[i + 1][t]);
+                    for (int j = 0; j < 8; ++j) {
+                        const v8sf v = ps_load(vh + t * token_stride + j * PS_LANES);
+                        a0[j] += w0 * v;
+                        a1[j] += w1 * v;
+                    }
+                }
+                for (int j = 0; j < 8; ++j) {
+                    *(v8sf *)&acc[i][j * PS_LANES] = a0[j];
+                    *(v8sf *)&acc[i + 1][j * PS_LANES] = a1[j];
+                }
+            }
+            continue;
+        }
         for (int64_t t = t0; t < t1; ++t) {
             const float *vrow = vb + t * token_stride;
             if (has_next)
@@ -222,6 +272,14 @@ static void ps_decode_row(const ps_decode_args *a, int64_t r, int64_t h0, int64_
         for (int64_t d = 0; d < D; ++d) orow[h * D + d] = acc[i][d] * inv;
         a->lse[r * a->num_heads + h] = m[i] + logf(l[i]);
     }
+}
+
+/* The common head sizes, GQA ratios and block size as compile-time constants. */
+static void ps_decode_row(const ps_decode_args *a, int64_t r, int64_t h0, int64_t h1) {
+    const int64_t D = a->head_dim, G = a->num_heads / a->num_kv_heads, BS = a->block_size;
+    if (BS == 16 && D == 64 && G == 2) ps_decode_row_impl(a, r, h0, h1, 64, 2, 16);
+    else if (BS == 16 && D == 128 && G == 4) ps_decode_row_impl(a, r, h0, h1, 128, 4, 16);
+    else ps_decode_row_impl(a, r, h0, h1, D, G, BS);
 }
 
 /* Limits the caller checks before calling (stack buffers above). */
