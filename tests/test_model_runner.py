@@ -94,3 +94,55 @@ def test_cpu_runner_asks_for_huge_pages_unless_told_not_to(
         assert value == "1" and int(huge_kib) >= 32 * 1024
     elif _thp_mode() == "madvise":
         assert value == "0" and int(huge_kib) == 0
+
+
+_MALLOC_PROBE = """
+import ctypes, sys
+from worker.model_runner import ModelRunner
+from worker.outputs import EngineConfig
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = MallInfo2
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+ModelRunner(sys.argv[1], EngineConfig(kv_cache_memory=8 << 20))
+before = libc.mallinfo2().hblks
+buf = libc.malloc(20 << 20)
+mapped = libc.mallinfo2().hblks - before
+libc.free(buf)
+print(mapped, libc.mallinfo2().fordblks >= 20 << 20)
+"""
+
+
+def _has_mallinfo2() -> bool:
+    import ctypes
+    import platform
+
+    return platform.libc_ver()[0] == "glibc" and hasattr(ctypes.CDLL(None), "mallinfo2")
+
+
+@pytest.mark.skipif(not _has_mallinfo2(), reason="needs glibc >= 2.33")
+@pytest.mark.parametrize("setting", [None, "0"])
+def test_cpu_runner_keeps_large_freed_buffers_unless_told_not_to(
+    make_tiny_model, setting: str | None
+) -> None:
+    """A 20 MB buffer (a prefill activation's size) comes from the heap and stays there when
+    freed, instead of a fresh mmap that the kernel faults in and zeroes every time."""
+    env = {k: v for k, v in os.environ.items() if k != "PAGEDSERVE_MALLOC_TUNING"}
+    if setting is not None:
+        env["PAGEDSERVE_MALLOC_TUNING"] = setting
+    out = subprocess.run(
+        [sys.executable, "-c", _MALLOC_PROBE, str(make_tiny_model("llama"))],
+        env=env, capture_output=True, text=True, check=True,
+        cwd=Path(__file__).parent.parent,
+    )  # fmt: skip
+    mapped, kept = out.stdout.split()
+    if setting is None:
+        assert (mapped, kept) == ("0", "True")
+    else:
+        assert (mapped, kept) == ("1", "False")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import torch
 
 from kernels import AttentionMetadata, get_backend
 from scheduler.output import SchedulerOutput
+from worker.cpu_memory import configure_cpu_process
 from worker.loader import load_model
 from worker.models.decoder import CausalLM
 from worker.outputs import EngineConfig
@@ -60,28 +60,13 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return dtype
 
 
-THP_ENV = "THP_MEM_ALLOC_ENABLE"
-
-
-def enable_huge_pages() -> None:
-    """Ask torch's CPU allocator for transparent huge pages on allocations of 2 MiB and more.
-
-    Weights (~110 MB for the bench model) and the KV cache are re-read every step, in 4 KiB
-    pages a TLB miss every few rows; with ``THP_MEM_ALLOC_ENABLE=1`` torch aligns large
-    allocations to 2 MiB and ``madvise``s them: +6% on the bench's mixed run on 2 EPYC cores
-    (interleaved A/B, 2 runs each; ``/sys/kernel/mm/transparent_hugepage/enabled`` = madvise). torch
-    reads the variable once, at its first large allocation, so this must run before the weights
-    load; a value already set (``0`` to opt out) is left alone.
-    """
-    os.environ.setdefault(THP_ENV, "1")
-
-
 class ModelRunner:
     def __init__(
         self, model_dir: str | Path, config: EngineConfig, max_model_len: int | None = None
     ):
         if torch.device(config.device).type == "cpu":
-            enable_huge_pages()
+            tuning = configure_cpu_process()
+            log.info("CPU malloc settings: %s", tuning.reason)
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
