@@ -23,6 +23,8 @@ from bench.throughput import (
     parse_args,
     pick_systems,
     ratio,
+    vllm_env,
+    vllm_preload,
 )
 
 
@@ -58,6 +60,22 @@ def test_system_choice_is_checked() -> None:
     with pytest.raises(SystemExit, match="--vllm-python"):
         pick_systems(parse_args(["--systems", "ours,vllm"]))
     assert "vllm" not in pick_systems(parse_args([]))
+
+
+def test_vllm_gets_both_cores_and_the_allocator_asked_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("LD_PRELOAD", "/opt/other.so")
+    env = vllm_env(2, "/usr/lib/libtcmalloc_minimal.so.4")
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["OMP_NUM_THREADS"] == "2"
+    assert env["LD_PRELOAD"] == "/usr/lib/libtcmalloc_minimal.so.4:/opt/other.so"
+    assert "PYTHONPATH" not in env  # vLLM's venv must not import this checkout
+    assert vllm_env(2, None)["LD_PRELOAD"] == "/opt/other.so"
+    assert vllm_preload("glibc") is None
+    monkeypatch.setattr("bench.throughput.find_tcmalloc", lambda: None)
+    assert vllm_preload("auto") is None
+    with pytest.raises(SystemExit, match="no libtcmalloc"):
+        vllm_preload("tcmalloc")
 
 
 def test_quick_run_end_to_end(tiny_model_dir: Path) -> None:
