@@ -146,3 +146,48 @@ def test_cpu_runner_keeps_large_freed_buffers_unless_told_not_to(
         assert (mapped, kept) == ("0", "True")
     else:
         assert (mapped, kept) == ("1", "False")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # untied and tied output heads
+def test_packed_projection_weights_give_the_plain_results(
+    make_tiny_model, monkeypatch: pytest.MonkeyPatch, family: str
+) -> None:
+    """The CPU runner packs projections for oneDNN by default; logits of a mixed prefill +
+    decode batch match the plain weights' (float32 summation order aside)."""
+    model_dir = make_tiny_model(family)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
+    batch = SchedulerOutput(
+        [
+            ScheduledSequence(0, "a", prompts[0], 0, 0, [0, 1], list(range(7)), True),
+            ScheduledSequence(1, "b", prompts[1], 0, 0, [2], [8, 9, 10], True),
+        ],
+        num_batched_tokens=10,
+    )
+    logits = {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv("PAGEDSERVE_PREPACK_WEIGHTS", setting)
+        runner = ModelRunner(model_dir, EngineConfig(block_size=4, num_kv_blocks=8))
+        attn = runner.model.layers[0].attn
+        assert attn.qkv_weight.is_mkldnn == (setting == "1")
+        assert runner.model.lm_head_weight.is_mkldnn == (setting == "1")
+        assert not runner.model.embed_weight.is_mkldnn  # lookups keep the plain table
+        logits[setting] = runner.execute(batch)
+    torch.testing.assert_close(logits["1"], logits["0"], rtol=1e-5, atol=1e-5)
+
+
+def test_linear_with_a_packed_weight_handles_any_row_count() -> None:
+    from worker.models.layers import linear, pack_weight
+
+    gen = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(24, 16, generator=gen), torch.randn(24, generator=gen)
+    packed = pack_weight(weight)
+    if packed is None:
+        pytest.skip("this torch has no oneDNN weight packing")
+    for rows in (0, 1, 5, 130):
+        x = torch.randn(rows, 16, generator=gen)
+        out = linear(x, packed, bias)
+        assert out.shape == (rows, 24)
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, bias))
+    x3 = torch.randn(2, 3, 16, generator=gen)
+    torch.testing.assert_close(linear(x3, packed), x3 @ weight.T)
+    assert pack_weight(weight.to(torch.bfloat16)) is None  # float32 only

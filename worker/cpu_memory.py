@@ -17,6 +17,7 @@ log = logging.getLogger(__name__)
 
 THP_ENV = "THP_MEM_ALLOC_ENABLE"
 MALLOC_ENV = "PAGEDSERVE_MALLOC_TUNING"
+PREPACK_ENV = "PAGEDSERVE_PREPACK_WEIGHTS"
 
 # glibc's mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD = -1
@@ -25,6 +26,16 @@ _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 32 << 20
 # mallopt takes an int: the heap is trimmed only once 2 GiB lies free at its top.
 TRIM_THRESHOLD_BYTES = 2**31 - 1
+
+
+def _switched_off(name: str) -> bool:
+    return os.environ.get(name, "1").strip().lower() in ("0", "false", "no", "off")
+
+
+def prepack_enabled() -> bool:
+    """Whether the CPU runner packs projection weights for oneDNN after loading (see
+    ``worker.models.layers.pack_weight``); ``PAGEDSERVE_PREPACK_WEIGHTS=0`` keeps them plain."""
+    return not _switched_off(PREPACK_ENV)
 
 
 def enable_huge_pages() -> None:
@@ -59,7 +70,7 @@ def keep_freed_memory() -> MallocTuning:
     returning it: a worker's RSS stays at its high-water mark, like a caching allocator's. Off with
     ``PAGEDSERVE_MALLOC_TUNING=0``; a no-op outside glibc.
     """
-    if os.environ.get(MALLOC_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if _switched_off(MALLOC_ENV):
         return MallocTuning(False, f"{MALLOC_ENV}=0")
     if platform.libc_ver()[0] != "glibc":
         return MallocTuning(False, "not glibc")

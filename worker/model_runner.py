@@ -16,7 +16,7 @@ import torch
 
 from kernels import AttentionMetadata, get_backend
 from scheduler.output import SchedulerOutput
-from worker.cpu_memory import configure_cpu_process
+from worker.cpu_memory import configure_cpu_process, prepack_enabled
 from worker.loader import load_model
 from worker.models.decoder import CausalLM
 from worker.outputs import EngineConfig
@@ -71,6 +71,8 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model: CausalLM = load_model(model_dir, self.dtype, self.device)
+        if self.device.type == "cpu" and prepack_enabled():
+            log.info("packed %d projection weights for oneDNN", self.model.pack_weights())
         mc = self.model.config
         self.max_model_len = min(
             max_model_len or mc.max_position_embeddings, mc.max_position_embeddings

@@ -16,7 +16,7 @@ from torch import nn
 
 from kernels import AttentionMetadata, get_backend
 from worker.models.config import ModelConfig
-from worker.models.layers import DecoderLayer, RMSNorm, _param, linear
+from worker.models.layers import DecoderLayer, RMSNorm, _param, linear, swap_for_packed
 
 # Checkpoint tensors that carry no weights of ours (old exports store rotary buffers).
 _IGNORED_SUFFIXES: tuple[str, ...] = ("rotary_emb.inv_freq",)
@@ -76,6 +76,16 @@ class CausalLM(nn.Module):
         return linear(hidden, self.lm_head_weight).float()
 
     # ------------------------------------------------------------------ weights
+    def pack_weights(self) -> int:
+        """Put every projection (and the output head) in oneDNN's blocked layout, once, after
+        loading; returns how many were packed (0 where unsupported: not float32 on a CPU).
+        Checkpoint loading no longer works on a packed model. A tied head gets a packed copy;
+        the embedding itself stays plain for lookups."""
+        count = 0
+        for layer in self.layers:
+            count += layer.attn.pack_weights() + layer.mlp.pack_weights()
+        return count + swap_for_packed(self, "lm_head_weight")
+
     def _layer_target(self, layer: DecoderLayer, name: str) -> tuple[torch.Tensor, int, int] | None:
         """(parameter, first row, end row) that the checkpoint tensor ``name`` of a layer fills."""
         cfg = self.config

@@ -18,6 +18,7 @@ from worker.models.config import ModelConfig
 from worker.models.rope import apply_rope
 
 _ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+_ONEDNN_REORDER = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
 
 
 def _bucket_rows(m: int) -> int:
@@ -36,6 +37,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     padded to a bounded set of sizes: without that a worker's memory grew by ~100 MB over a
     5,000-job run.
     """
+    if weight.is_mkldnn:
+        return _packed_linear(x, weight, bias)
     if (
         _ONEDNN_LINEAR is None
         or x.dim() != 2
@@ -50,6 +53,54 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         x = F.pad(x, (0, 0, 0, rows - m))
     out = _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
     return out[:m] if rows != m else out
+
+
+def _packed_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``linear`` with a weight already in oneDNN's blocked layout (see ``pack_weight``)."""
+    assert _ONEDNN_LINEAR is not None  # a packed weight exists only where oneDNN does
+    lead = x.shape[:-1]
+    x = x.reshape(-1, x.shape[-1])
+    m = x.shape[0]
+    if m == 0:
+        return x.new_empty(*lead, weight.shape[0])
+    rows = _bucket_rows(m)
+    if rows != m:
+        x = F.pad(x, (0, 0, 0, rows - m))
+    out = _ONEDNN_LINEAR(x.contiguous(), weight, bias, "none", [], "")
+    return (out[:m] if rows != m else out).reshape(*lead, weight.shape[0])
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """A float32 CPU projection weight in oneDNN's blocked layout, or None where there is none.
+
+    Given a plain ``[out, in]`` weight, oneDNN re-blocks it inside every matmul call. Over a
+    model whose weights do not fit the last-level cache that is one more pass over memory per
+    projection per step: with the weights packed once, decode-sized products (16 / 48 / 96
+    rows, 16 weights of 6 MB in turn) ran 281 / 394 / 454 GFLOP/s against 173 / 320 / 393,
+    and 2048-row ones 503 against 479 (2 EPYC cores).
+    """
+    if (
+        _ONEDNN_REORDER is None
+        or _ONEDNN_LINEAR is None
+        or weight.dtype != torch.float32
+        or weight.device.type != "cpu"
+        or weight.dim() != 2
+    ):
+        return None
+    return _ONEDNN_REORDER(weight.detach())
+
+
+def swap_for_packed(module: nn.Module, name: str) -> bool:
+    """Replace the weight parameter ``module.<name>`` by its packed form (the plain copy is freed
+    unless something else holds it, e.g. tied embeddings). False where packing is unavailable."""
+    packed = pack_weight(getattr(module, name))
+    if packed is None:
+        return False
+    delattr(module, name)
+    setattr(module, name, packed)
+    return True
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -86,6 +137,9 @@ class GatedMLP(nn.Module):
         self.down_bias = _param(hidden, dtype=dt, device=device) if cfg.mlp_bias else None
         self.intermediate_size = inter
 
+    def pack_weights(self) -> int:
+        return sum(swap_for_packed(self, n) for n in ("gate_up_weight", "down_weight"))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
@@ -112,6 +166,9 @@ class PagedAttention(nn.Module):
         self.qkv_bias = _param(qkv_out, dtype=dt, device=device) if cfg.qkv_bias else None
         self.o_weight = _param(cfg.hidden_size, self.q_size, dtype=dt, device=device)
         self.o_bias = _param(cfg.hidden_size, dtype=dt, device=device) if cfg.o_bias else None
+
+    def pack_weights(self) -> int:
+        return sum(swap_for_packed(self, n) for n in ("qkv_weight", "o_weight"))
 
     def forward(
         self,
