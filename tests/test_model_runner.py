@@ -65,6 +65,20 @@ def _thp_mode() -> str:
     return text.split("[", 1)[1].split("]", 1)[0]
 
 
+def _probe(code: str, model_dir: Path, variable: str, setting: str | None) -> list[str]:
+    """Run ``code`` in a fresh interpreter (process-wide settings are made once per process)
+    with ``variable`` unset or set to ``setting``; returns the words it printed."""
+    env = {k: v for k, v in os.environ.items() if k != variable}
+    if setting is not None:
+        env[variable] = setting
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(model_dir)],
+        env=env, capture_output=True, text=True, check=True,
+        cwd=Path(__file__).parent.parent,
+    )  # fmt: skip
+    return out.stdout.split()
+
+
 _HUGE_PAGES_PROBE = """
 import os, sys
 from worker.model_runner import ModelRunner
@@ -81,15 +95,9 @@ def test_cpu_runner_asks_for_huge_pages_unless_told_not_to(
     make_tiny_model, setting: str | None
 ) -> None:
     """The KV cache (64 MiB here) and large weights land on 2 MiB pages by default."""
-    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
-    if setting is not None:
-        env["THP_MEM_ALLOC_ENABLE"] = setting
-    out = subprocess.run(
-        [sys.executable, "-c", _HUGE_PAGES_PROBE, str(make_tiny_model("llama"))],
-        env=env, capture_output=True, text=True, check=True,
-        cwd=Path(__file__).parent.parent,
-    )  # fmt: skip
-    value, huge_kib = out.stdout.split()
+    value, huge_kib = _probe(
+        _HUGE_PAGES_PROBE, make_tiny_model("llama"), "THP_MEM_ALLOC_ENABLE", setting
+    )
     if setting is None:
         assert value == "1" and int(huge_kib) >= 32 * 1024
     elif _thp_mode() == "madvise":
@@ -133,15 +141,9 @@ def test_cpu_runner_keeps_large_freed_buffers_unless_told_not_to(
 ) -> None:
     """A 20 MB buffer (a prefill activation's size) comes from the heap and stays there when
     freed, instead of a fresh mmap that the kernel faults in and zeroes every time."""
-    env = {k: v for k, v in os.environ.items() if k != "PAGEDSERVE_MALLOC_TUNING"}
-    if setting is not None:
-        env["PAGEDSERVE_MALLOC_TUNING"] = setting
-    out = subprocess.run(
-        [sys.executable, "-c", _MALLOC_PROBE, str(make_tiny_model("llama"))],
-        env=env, capture_output=True, text=True, check=True,
-        cwd=Path(__file__).parent.parent,
-    )  # fmt: skip
-    mapped, kept = out.stdout.split()
+    mapped, kept = _probe(
+        _MALLOC_PROBE, make_tiny_model("llama"), "PAGEDSERVE_MALLOC_TUNING", setting
+    )
     if setting is None:
         assert (mapped, kept) == ("0", "True")
     else:
