@@ -28,7 +28,7 @@ def _bucket_rows(m: int) -> int:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, through oneDNN for 2-D float32 inputs on a CPU.
+    """``F.linear``, through oneDNN for 2-D float32 inputs on a CPU and for packed weights.
 
     torch's default CPU GEMM (MKL) ran 15-60% slower than oneDNN's at the decode-sized shapes of
     the bench model on this project's AMD EPYC machines (e.g. 96 x 512 -> 3072: 119 vs 193
@@ -37,29 +37,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     padded to a bounded set of sizes: without that a worker's memory grew by ~100 MB over a
     5,000-job run.
     """
-    if weight.is_mkldnn:
-        return _packed_linear(x, weight, bias)
-    if (
-        _ONEDNN_LINEAR is None
-        or x.dim() != 2
-        or x.dtype != torch.float32
-        or x.device.type != "cpu"
-        or x.shape[0] == 0
+    if weight.is_mkldnn or (  # packed weights (``pack_weight``) exist only where oneDNN does
+        _ONEDNN_LINEAR is not None
+        and x.dim() == 2
+        and x.dtype == torch.float32
+        and x.device.type == "cpu"
     ):
-        return F.linear(x, weight, bias)
-    m = x.shape[0]
-    rows = _bucket_rows(m)
-    if rows != m:
-        x = F.pad(x, (0, 0, 0, rows - m))
-    out = _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
-    return out[:m] if rows != m else out
+        return _onednn_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
-def _packed_linear(
+def _onednn_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """``linear`` with a weight already in oneDNN's blocked layout (see ``pack_weight``)."""
-    assert _ONEDNN_LINEAR is not None  # a packed weight exists only where oneDNN does
+    """oneDNN's matmul with a plain or packed weight, rows bucketed; any leading dimensions."""
+    assert _ONEDNN_LINEAR is not None
     lead = x.shape[:-1]
     x = x.reshape(-1, x.shape[-1])
     m = x.shape[0]
