@@ -15,6 +15,7 @@ run on the same thread count. Prints one JSON line.
 from __future__ import annotations
 
 import argparse
+import ctypes.util
 import json
 import os
 import random
@@ -159,17 +160,10 @@ def child_env(threads: int) -> dict[str, str]:
     return env
 
 
-TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
-LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib")
-
-
 def find_tcmalloc() -> str | None:
-    """TCMalloc's shared library (Debian: ``apt-get install libtcmalloc-minimal4``), if present."""
-    for d in LIB_DIRS:
-        for name in TCMALLOC_NAMES:
-            if (Path(d) / name).exists():
-                return str(Path(d) / name)
-    return None
+    """TCMalloc's soname as the dynamic loader knows it (Debian: ``apt-get install
+    libtcmalloc-minimal4``), or None; LD_PRELOAD resolves a bare soname the same way."""
+    return ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")
 
 
 def vllm_preload(choice: str) -> str | None:
@@ -231,8 +225,6 @@ def run_system(
         env = child_env(ctx["threads"])
     print(f"[throughput] {tag} ...", file=sys.stderr, flush=True)
     result = run_child([*cmd, str(job), str(out)], env, out, ctx["timeout"])
-    if system == "vllm":
-        result["ld_preload"] = env.get("LD_PRELOAD")
     return add_mfu(result, wl, ctx)
 
 

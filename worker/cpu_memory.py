@@ -2,7 +2,9 @@
 
 torch has no caching allocator on the CPU: every activation comes from ``malloc`` and goes back
 to it at once. Two settings make that cheap for an engine that allocates the same large buffers
-every step; both must be made before the weights load, and both can be turned off.
+every step (huge pages, malloc thresholds); both must be made before the weights load. With the
+switch for weight packing (``prepack_enabled``) these are the CPU worker's memory knobs, each of
+which an environment variable turns off.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """fp32 matmul FLOP/s of this machine with torch on N threads (the MFU denominator).
 
-Each shape is timed through torch's default GEMM (``torch.mm``) and through oneDNN's linear
-(what our engine's projections call on CPUs); the peak is the best of all, so that MFU is measured
-against the fastest matmul this machine showed, not the slower of two libraries (on AMD CPUs
-oneDNN was up to 1.6x faster than the default).
+Each shape is timed through torch's default GEMM (``torch.mm``) and through our engine's own
+projection path (``worker.models.layers.linear`` on a weight packed by ``pack_weight``: oneDNN);
+the peak is the best of all, so that MFU is measured against the fastest matmul this machine
+showed, not the slower of two libraries (on AMD CPUs oneDNN was 2-2.7x faster than the default here).
 
 python -m bench.peers.peak THREADS RESULT_JSON
 """
@@ -28,13 +28,15 @@ def matmul_call(m: int, k: int, n: int, library: str) -> Callable[[], object]:
     """A closure computing one [m, k] x [k, n] product with ``library`` ("mm" or "onednn")."""
     import torch
 
+    from worker.models.layers import linear, pack_weight
+
     a = torch.randn(m, k)
     if library == "mm":
         b, c = torch.randn(k, n), torch.empty(m, n)
         return lambda: torch.mm(a, b, out=c)
     weight = torch.randn(n, k)  # nn.Linear layout, as the engine's projections hold it
-    onednn = torch.ops.mkldnn._linear_pointwise
-    return lambda: onednn(a, weight, None, "none", [], "")
+    packed = pack_weight(weight)
+    return lambda: linear(a, weight if packed is None else packed)
 
 
 def gflops(m: int, k: int, n: int, library: str = "mm", min_seconds: float = 0.4) -> float:
@@ -57,7 +59,9 @@ def gflops(m: int, k: int, n: int, library: str = "mm", min_seconds: float = 0.4
 def libraries() -> list[str]:
     import torch
 
-    return ["mm", "onednn"] if hasattr(torch.ops.mkldnn, "_linear_pointwise") else ["mm"]
+    from worker.models.layers import pack_weight
+
+    return ["mm", "onednn"] if pack_weight(torch.zeros(8, 8)) is not None else ["mm"]
 
 
 def main() -> None:

@@ -136,9 +136,8 @@ static inline void ps_scores8x2(const float *q0, const float *q1, const float *k
  *
  * Why: a row's blocks lie anywhere in the pool, so the hardware prefetchers, which follow
  * sequential streams within a page, stall at every block's start. Requesting block b + 1
- * while block b is computed kept each thread's misses in flight: on 2 Zen-class EPYC cores
- * decode went from 24 to 37 GB/s of K/V at batch 64 x 512 tokens (bench/kernels.py), past a
- * dense SDPA over contiguous K/V. Two blocks ahead, or into L2 only, measured slower. */
+ * while block b is computed keeps each thread's misses in flight (most of the gain in the
+ * header's figures). Two blocks ahead, or into L2 only, measured slower. */
 static inline void ps_prefetch_rows(const float *base, int64_t n, int64_t token_stride,
                                     int64_t off, int64_t len) {
     for (int64_t t = 0; t < n; ++t)

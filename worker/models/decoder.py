@@ -81,10 +81,11 @@ class CausalLM(nn.Module):
         loading; returns how many were packed (0 where unsupported: not float32 on a CPU).
         Checkpoint loading no longer works on a packed model. A tied head gets a packed copy;
         the embedding itself stays plain for lookups."""
-        count = 0
+        targets: list[tuple[nn.Module, str]] = [(self, "lm_head_weight")]
         for layer in self.layers:
-            count += layer.attn.pack_weights() + layer.mlp.pack_weights()
-        return count + swap_for_packed(self, "lm_head_weight")
+            targets += [(layer.attn, "qkv_weight"), (layer.attn, "o_weight")]
+            targets += [(layer.mlp, "gate_up_weight"), (layer.mlp, "down_weight")]
+        return sum(swap_for_packed(module, name) for module, name in targets)
 
     def _layer_target(self, layer: DecoderLayer, name: str) -> tuple[torch.Tensor, int, int] | None:
         """(parameter, first row, end row) that the checkpoint tensor ``name`` of a layer fills."""

@@ -129,9 +129,6 @@ class GatedMLP(nn.Module):
         self.down_bias = _param(hidden, dtype=dt, device=device) if cfg.mlp_bias else None
         self.intermediate_size = inter
 
-    def pack_weights(self) -> int:
-        return sum(swap_for_packed(self, n) for n in ("gate_up_weight", "down_weight"))
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
@@ -158,9 +155,6 @@ class PagedAttention(nn.Module):
         self.qkv_bias = _param(qkv_out, dtype=dt, device=device) if cfg.qkv_bias else None
         self.o_weight = _param(cfg.hidden_size, self.q_size, dtype=dt, device=device)
         self.o_bias = _param(cfg.hidden_size, dtype=dt, device=device) if cfg.o_bias else None
-
-    def pack_weights(self) -> int:
-        return sum(swap_for_packed(self, n) for n in ("qkv_weight", "o_weight"))
 
     def forward(
         self,
