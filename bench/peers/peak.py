@@ -3,7 +3,7 @@
 Each shape is timed through torch's default GEMM (``torch.mm``) and through our engine's own
 projection path (``worker.models.layers.linear`` on a weight packed by ``pack_weight``: oneDNN);
 the peak is the best of all, so that MFU is measured against the fastest matmul this machine
-showed, not the slower of two libraries (on AMD CPUs oneDNN was 2-2.7x faster than the default here).
+showed, not the slower of two libraries (on AMD CPUs oneDNN was 2-2.7x faster than the default).
 
 python -m bench.peers.peak THREADS RESULT_JSON
 """
