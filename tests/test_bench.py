@@ -91,7 +91,12 @@ def test_quick_run_end_to_end(tiny_model_dir: Path) -> None:
         for system in ("ours", "hf-static"):
             res = body["systems"][system]
             assert res["ok"], res  # each peer checks it generated exactly max_tokens per prompt
-            assert res["output_tok_s"] > 0 and res["mfu_pct"] > 0
+            assert res["output_tok_s"] > 0
+            # MFU from this run's own figures (the tiny model's can round to 0.0)
+            computed = body["prompt_tokens"] - res.get("prefix_hit_tokens", 0)
+            computed += body["output_tokens"]
+            flops = 2 * line["non_embedding_params"] * computed / res["wall_s"]
+            assert res["mfu_pct"] == round(100 * flops / (line["peak_gflops"] * 1e9), 1)
         ours = body["systems"]["ours"]
         assert ours["length_mismatches"] == 0
         assert 0 <= ours["kv_waste_pct"] < 100
