@@ -49,7 +49,10 @@ def job_json(rec: JobRecord) -> dict[str, Any]:
 def submit() -> tuple[dict[str, Any], int, dict[str, str]]:
     req = JobRequest.model_validate(json_body(request))
     store = get_state().store
-    job_id, created = store.enqueue(new_job_id(), req)
+    try:
+        job_id, created = store.enqueue(new_job_id(), req)
+    except ValueError as e:  # a reserved name (pagedserve.store.check_client_request)
+        raise ApiError(400, str(e), "reserved_name") from None
     status = store.status(job_id)
     body = {"id": job_id, "object": "job", "status": status.value, "created": created}
     return body, 202, {"Location": url_for("jobs.get_job", job_id=job_id)}
@@ -85,7 +88,11 @@ def sse(ev: DeltaEvent) -> str:
 
 
 def follow(state: AppState, job_id: str, last: str) -> Iterator[str]:
-    """Events after ``last`` until the ``end`` event; keep-alive comments while waiting."""
+    """Events after ``last`` until the ``end`` event; keep-alive comments while waiting.
+
+    A job leased again after its worker died gets a ``restart`` event (``event: restart``), and
+    the earlier run's deltas are trimmed from its stream: a follower discards what it has shown
+    and goes on with the deltas that follow (a reader from the start sees only the new run)."""
     key = state.store.keys.events(job_id)
     deadline = time.monotonic() + state.config.sse_max_s
     yield ": stream of job events\n\n"

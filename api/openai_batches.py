@@ -5,20 +5,25 @@ Uploads are checked line by line at once: a file whose lines are not batch reque
 (invalid JSON, missing ``custom_id``, wrong ``method``/``url``, duplicate ids) is refused with
 400; lines that are well formed but carry an invalid request (e.g. a bad ``temperature``) are
 accepted and reported in the batch's error file, as OpenAI does.
+
+Files can be listed (``GET /v1/files``: OpenAI's list shape, ``purpose``, ``limit``, ``after``)
+and deleted; uploads expire after 30 days (or the form's ``expires_after[seconds]``), a batch's
+output files and records after its ``output_expires_after`` (``{"anchor": "created_at",
+"seconds": N}``, default 30 days).
 """
 
 from __future__ import annotations
 
 import re
 import threading
-from typing import Any
+from typing import Any, Literal
 
-from flask import Blueprint, Response, request
+from flask import Blueprint, Response, request, stream_with_context
 from pydantic import BaseModel, ConfigDict, Field
 
 from api.errors import ApiError, json_body
 from api.state import AppState, get_state
-from pagedserve.batches import BatchStore, FileObject, parse_window
+from pagedserve.batches import MAX_TTL_S, MIN_TTL_S, BatchStore, FileObject, check_ttl, parse_window
 from pagedserve.openai_format import ENDPOINTS, parse_file
 
 bp = Blueprint("openai", __name__)
@@ -30,6 +35,15 @@ MAX_LISTED_ERRORS = 5
 _celery_lock = threading.Lock()
 
 
+class ExpiresAfter(BaseModel):
+    """OpenAI's ``expires_after`` / ``output_expires_after``: seconds after creation."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    anchor: Literal["created_at"] = "created_at"
+    seconds: int = Field(ge=MIN_TTL_S, le=MAX_TTL_S)
+
+
 class BatchCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -37,6 +51,7 @@ class BatchCreate(BaseModel):
     endpoint: str
     completion_window: str = "24h"
     metadata: dict[str, str] | None = Field(None, max_length=16)
+    output_expires_after: ExpiresAfter | None = None
 
 
 def batches(state: AppState) -> BatchStore:
@@ -67,8 +82,24 @@ def check_id(kind: str, value: str) -> str:
     return value
 
 
-def file_json(f: FileObject) -> dict[str, Any]:
-    return {**f.model_dump(), "status": "processed", "expires_at": None, "status_details": None}
+def file_json(f: FileObject | dict[str, Any]) -> dict[str, Any]:
+    d = f.model_dump() if isinstance(f, FileObject) else f
+    return {**d, "status": "processed", "status_details": None}
+
+
+def _upload_ttl() -> int | None:
+    """The upload form's ``expires_after[seconds]`` (anchor ``created_at``), if given."""
+    anchor = request.form.get("expires_after[anchor]", "created_at")
+    raw = request.form.get("expires_after[seconds]")
+    if raw is None:
+        return None
+    if anchor != "created_at":
+        raise ApiError(400, "expires_after[anchor] must be 'created_at'", param="expires_after")
+    try:
+        return check_ttl(int(raw))
+    except ValueError as e:
+        raise ApiError(400, f"invalid expires_after[seconds] {raw[:32]!r}: {e}",
+                       param="expires_after") from None  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- files
@@ -102,9 +133,11 @@ def upload_file() -> dict[str, Any]:
             400, f"the file is not UTF-8 text: {e}", "invalid_batch_file", "file"
         ) from None
     store = batches(get_state())
+    ttl = _upload_ttl()
     _upload_errors(text, store.known_models)
     try:
-        f = store.files.create(data, upload.filename or "upload.jsonl", purpose="batch")
+        name = upload.filename or "upload.jsonl"
+        f = store.files.create(data, name, purpose="batch", expires_after_s=ttl)
     except ValueError as e:
         raise ApiError(400, str(e), "invalid_file", "file") from None
     return file_json(f)
@@ -118,12 +151,34 @@ def get_file(file_id: str) -> dict[str, Any]:
     return file_json(f)
 
 
+@bp.get("/v1/files")
+def list_files() -> dict[str, Any]:
+    limit = _limit(default=10_000, most=10_000)
+    after = request.args.get("after") or None
+    purpose = request.args.get("purpose") or None
+    try:
+        page = batches(get_state()).files.list(purpose=purpose, after=after, limit=limit)
+    except KeyError:
+        raise ApiError(
+            404, f"file {after!r} (after) not found", "file_not_found", "after"
+        ) from None
+    page["data"] = [file_json(f) for f in page["data"]]
+    return page
+
+
+@bp.delete("/v1/files/<file_id>")
+def delete_file(file_id: str) -> dict[str, Any]:
+    if not batches(get_state()).files.delete(check_id("file", file_id)):
+        raise ApiError(404, f"file {file_id!r} not found", "file_not_found")
+    return {"id": file_id, "object": "file", "deleted": True}
+
+
 @bp.get("/v1/files/<file_id>/content")
 def file_content(file_id: str) -> Response:
-    text = batches(get_state()).files.content(check_id("file", file_id))
-    if text is None:
+    pieces = batches(get_state()).files.iter_content(check_id("file", file_id))
+    if pieces is None:
         raise ApiError(404, f"file {file_id!r} not found", "file_not_found")
-    return Response(text, mimetype="application/jsonl")
+    return Response(stream_with_context(pieces), mimetype="application/jsonl")
 
 
 # ----------------------------------------------------------------------------- batches
@@ -149,8 +204,15 @@ def create_batch() -> dict[str, Any]:
     state = get_state()
     store = batches(state)
     check_id("file", body.input_file_id)
+    ttl = body.output_expires_after.seconds if body.output_expires_after else None
     try:
-        b = store.create(body.input_file_id, body.endpoint, body.completion_window, body.metadata)
+        b = store.create(
+            body.input_file_id,
+            body.endpoint,
+            body.completion_window,
+            body.metadata,
+            output_expires_after_s=ttl,
+        )
     except KeyError:
         raise ApiError(
             404, f"file {body.input_file_id!r} not found", "file_not_found", "input_file_id"
@@ -166,14 +228,14 @@ def get_batch(batch_id: str) -> dict[str, Any]:
     return batch_json(batches(get_state()), check_id("batch", batch_id))
 
 
-def _limit() -> int:
-    raw = request.args.get("limit", "20")
+def _limit(default: int = 20, most: int = 100) -> int:
+    raw = request.args.get("limit", str(default))
     try:
         limit = int(raw)
     except ValueError:
         raise ApiError(400, f"'limit' must be an integer, got {raw!r}", param="limit") from None
-    if not 1 <= limit <= 100:
-        raise ApiError(400, f"'limit' must be between 1 and 100, got {limit}", param="limit")
+    if not 1 <= limit <= most:
+        raise ApiError(400, f"'limit' must be between 1 and {most}, got {limit}", param="limit")
     return limit
 
 

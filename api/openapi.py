@@ -94,9 +94,26 @@ def paths() -> dict[str, Any]:
                     },
                     "multipart/form-data",
                 ),
-            )
+            ),
+            "get": _op(
+                "List files, newest first (OpenAI list shape)",
+                {"200": _json(OBJ)},
+                parameters=[
+                    {"name": "purpose", "in": "query", "schema": {"type": "string"}},
+                    {"name": "after", "in": "query", "schema": {"type": "string"}},
+                    {
+                        "name": "limit",
+                        "in": "query",
+                        "schema": {"type": "integer", "minimum": 1, "maximum": 10000},
+                    },
+                ],
+            ),
         },
-        "/v1/files/{id}": {"parameters": ID, "get": _op("A file", {"200": _json(_ref("File"))})},
+        "/v1/files/{id}": {
+            "parameters": ID,
+            "get": _op("A file", {"200": _json(_ref("File"))}),
+            "delete": _op("Delete a file", {"200": _json(OBJ)}),
+        },
         "/v1/files/{id}/content": {
             "parameters": ID,
             "get": _op(

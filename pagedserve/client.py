@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.keys import Priority
 from pagedserve.params import SamplingParams
 from pagedserve.schemas import ChatMessage, DeltaEvent, JobRecord, JobRequest, JobStatus
-from pagedserve.store import JobStore
+from pagedserve.store import JobStore, check_client_request
 
 PromptOrMessages = str | Sequence[int] | Sequence[ChatMessage | Mapping[str, Any]]
 
@@ -63,6 +64,28 @@ def build_request(
     else:
         fields["prompt"] = prompt_or_messages
     return JobRequest.model_validate(fields)
+
+
+@dataclass
+class Accumulated:
+    """What a follower has of a job's completions (by index), as :func:`accumulate` builds it."""
+
+    texts: dict[int, str] = field(default_factory=dict)
+    token_ids: dict[int, list[int]] = field(default_factory=dict)
+    restarts: int = 0
+
+
+def accumulate(events: Iterable[DeltaEvent]) -> Accumulated:
+    """Fold :meth:`Client.stream` events into text and token ids per completion, starting over
+    at each ``restart`` event (so a reclaimed job is never repeated)."""
+    acc = Accumulated()
+    for ev in events:
+        if ev.type == "restart":
+            acc = Accumulated(restarts=acc.restarts + 1)
+        elif ev.type == "delta":
+            acc.texts[ev.index] = acc.texts.get(ev.index, "") + ev.text
+            acc.token_ids.setdefault(ev.index, []).extend(ev.token_ids)
+    return acc
 
 
 class Client:
@@ -117,7 +140,11 @@ class Client:
     def submit_requests(
         self, requests: Sequence[JobRequest], chunk: int = SUBMIT_CHUNK
     ) -> list[str]:
-        """Queue validated requests, pipelined ``chunk`` at a time; ids in order."""
+        """Queue validated requests, pipelined ``chunk`` at a time; ids in order. A request
+        using a reserved name (see :func:`~pagedserve.store.check_client_request`) raises
+        ``ValueError`` before any is queued."""
+        for r in requests:
+            check_client_request(r)
         ids: list[str] = []
         for start in range(0, len(requests), chunk):
             part = [(new_job_id(), r) for r in requests[start : start + chunk]]
@@ -192,7 +219,13 @@ class Client:
     def stream(self, job_id: str, timeout: float | None = None) -> Iterator[DeltaEvent]:
         """Yield the job's events (``delta``, ``restart``) as they arrive, from its first one,
         ending after the ``end`` event (also yielded). Events are capped per job (oldest
-        trimmed). Raises ``KeyError`` for an unknown job, ``TimeoutError`` after ``timeout``."""
+        trimmed). Raises ``KeyError`` for an unknown job, ``TimeoutError`` after ``timeout``.
+
+        A ``restart`` event means the job started over (its worker died and another leased it,
+        or a draining worker handed it back): discard every delta received so far; the deltas
+        after it are the new run's, from its first token. The earlier run's deltas are also
+        trimmed from the stream, so a reader that starts later sees only the new run. Use
+        :func:`accumulate` to fold events into each completion's text and token ids."""
         key = self.keys.events(job_id)
         deadline = None if timeout is None else time.monotonic() + timeout
         last = "0-0"

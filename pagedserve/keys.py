@@ -10,6 +10,10 @@ Layout (prefix ``ps`` by default)::
     ps:worker:{id}          hash   a worker's heartbeat (with a TTL)
     ps:workers              zset   worker id -> last heartbeat time
     ps:cancel:{consumer}    set    job ids a worker must abort at its next step
+    ps:batch:{id}[:...]     batch hash and its lists and sets (see pagedserve.batches)
+    ps:bidem:{batch}:{hash} string a batch request's idempotency key (fan-out only)
+    ps:file:{id}[:chunks]   hash   file meta (and content), list of content chunks
+    ps:files                zset   file id -> creation sequence number
 """
 
 from __future__ import annotations
@@ -66,5 +70,65 @@ class Keys:
     def cancel(self, consumer: str) -> str:
         return f"{self.cancel_prefix}{consumer}"
 
+    # ------------------------------------------------------------------ batches and files
     def batch(self, batch_id: str) -> str:
         return f"{self.prefix}:batch:{batch_id}"
+
+    def batch_jobs(self, batch_id: str) -> str:
+        """List: the batch's job ids in input order (written when the fan-out ends)."""
+        return f"{self.batch(batch_id)}:jobs"
+
+    def batch_members(self, batch_id: str) -> str:
+        """Set: the batch's job ids, each added atomically with its job (enqueue.lua)."""
+        return f"{self.batch(batch_id)}:members"
+
+    def batch_output(self, batch_id: str) -> str:
+        return f"{self.batch(batch_id)}:output"
+
+    def batch_errors(self, batch_id: str) -> str:
+        return f"{self.batch(batch_id)}:errors"
+
+    def batch_counted(self, batch_id: str) -> str:
+        return f"{self.batch(batch_id)}:counted"
+
+    def batch_all(self, batch_id: str) -> tuple[str, ...]:
+        """Every key of one batch (to expire them together)."""
+        return (
+            self.batch(batch_id),
+            self.batch_jobs(batch_id),
+            self.batch_members(batch_id),
+            self.batch_output(batch_id),
+            self.batch_errors(batch_id),
+            self.batch_counted(batch_id),
+        )
+
+    def batch_idem(self, batch_id: str, digest: str) -> str:
+        """A batch request's idempotency key: outside ``idem``, which clients write."""
+        return f"{self.prefix}:bidem:{batch_id}:{digest}"
+
+    @property
+    def batches(self) -> str:
+        return f"{self.prefix}:batches"
+
+    @property
+    def batches_seq(self) -> str:
+        return f"{self.prefix}:batches:seq"
+
+    @property
+    def batches_active(self) -> str:
+        return f"{self.prefix}:batches:active"
+
+    def file(self, file_id: str) -> str:
+        return f"{self.prefix}:file:{file_id}"
+
+    def file_chunks(self, file_id: str) -> str:
+        """List: a generated file's content in chunks (no size cap)."""
+        return f"{self.file(file_id)}:chunks"
+
+    @property
+    def files(self) -> str:
+        return f"{self.prefix}:files"
+
+    @property
+    def files_seq(self) -> str:
+        return f"{self.prefix}:files:seq"

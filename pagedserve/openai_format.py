@@ -5,7 +5,9 @@ Input line: ``{"custom_id", "method": "POST", "url": "/v1/completions" | "/v1/ch
 fail the whole batch; request errors (unknown model, bad parameters) fail only that line, which
 goes to the batch's error file.
 
-The worker builds a batch job's output line with :func:`batch_finish_fields`.
+Output side: :func:`batch_line` builds every output or error line of a batch job (the job store
+calls it with the job's server-owned batch fields); :func:`line_error_line` those of input lines
+rejected at validation.
 """
 
 from __future__ import annotations
@@ -267,10 +269,14 @@ def parse_file(
     known_models: Collection[str] | None = None,
     batch_id: str | None = None,
 ) -> ParsedFile:
-    """Validate every non-blank line of a batch input file."""
+    """Validate every non-blank line of a batch input file.
+
+    Lines end at ``\n`` only (a ``\r`` before it is dropped): ``str.splitlines`` would also split
+    on U+2028, U+2029, U+0085 and other characters that are valid inside JSON strings."""
     out = ParsedFile()
     seen: set[str] = set()
-    for no, text in enumerate(content.splitlines(), start=1):
+    for no, text in enumerate(content.split("\n"), start=1):
+        text = text.removesuffix("\r")
         if not text.strip():
             continue
         try:
@@ -358,31 +364,6 @@ def response_body(
     }
 
 
-def _meta(request: JobRequest) -> dict[str, Any]:
-    meta = request.metadata or {}
-    if "custom_id" not in meta:
-        raise ValueError("the request's metadata has no custom_id: not a batch request")
-    return meta
-
-
-def output_line(
-    request: JobRequest, job_id: str, result: JobResult, created: int | None = None
-) -> str:
-    """The output-file line of a succeeded batch job."""
-    meta = _meta(request)
-    url = meta.get("url", COMPLETIONS_URL)
-    model = meta.get("model") or request.model or ""
-    body = response_body(url, model, job_id, result, created)
-    return _dumps(
-        {
-            "id": f"batch_req_{job_id}",
-            "custom_id": meta["custom_id"],
-            "response": {"status_code": 200, "request_id": f"req_{job_id}", "body": body},
-            "error": None,
-        }
-    )
-
-
 def error_line(
     custom_id: str,
     request_id: str,
@@ -418,48 +399,38 @@ def line_error_line(err: LineError, batch_id: str) -> str:
 
 
 #: Error codes of batch requests that ended without a worker's final write (``error`` lines
-#: without a ``response``; the Lua scripts lease.lua and cancel.lua write the same shape).
+#: without a ``response``, built by :func:`batch_line` with ``code``).
 DEAD_LETTERED = "dead_lettered"
 BATCH_CANCELLED = "batch_cancelled"
 BATCH_EXPIRED = "batch_expired"
 JOB_LOST = "job_lost"
 
 
-def unrun_error_line(request: JobRequest | None, job_id: str, code: str, message: str) -> str:
-    """The error-file line of a batch request that never got a worker's final write (dead-lettered,
-    cancelled or expired before it ran, or its job record lost: ``request`` None)."""
-    cid = str((request.metadata or {}).get("custom_id", "")) if request is not None else ""
-    return error_line(cid, job_id, code, message, status_code=None)
-
-
-def job_error_line(request: JobRequest, job_id: str, status: str, reason: str | None) -> str:
-    """The error-file line of a batch job that failed or was cancelled."""
-    cid = _meta(request)["custom_id"]
-    if status == "cancelled":
-        return error_line(cid, job_id, BATCH_CANCELLED, reason or "cancelled", status_code=None)
-    return error_line(cid, job_id, "server_error", reason or "failed", status_code=500)
-
-
-def batch_finish_fields(
-    request: JobRequest,
+def batch_line(
+    custom_id: str,
+    url: str,
+    model: str,
     job_id: str,
     status: str,
     result: JobResult | None = None,
     error: str | None = None,
-) -> dict[str, str]:
-    """``{"batch_id", "batch_line"}`` to pass to :class:`pagedserve.store.Finish` for a job of a
-    batch (its metadata has a ``batch_id``); ``{}`` for any other job. Usage in a worker::
-
-        Finish(lease, status, result=res, error=err,
-               **batch_finish_fields(lease.request, lease.job_id, status, res, err))
-    """
-    batch_id = (request.metadata or {}).get("batch_id")
-    if not batch_id:
-        return {}
-    if status == "succeeded":
+    *,
+    code: str | None = None,
+) -> tuple[bool, str]:
+    """``(succeeded?, line)`` of a batch job: the output line of a succeeded job; otherwise its
+    error line: with ``code`` a request that never got a worker's final write (dead-lettered,
+    cancelled or expired before it finished, record lost: a top-level ``error``), else a
+    cancelled one (``batch_cancelled``) or a failed one (an HTTP-like 500 response)."""
+    if status == "succeeded" and code is None:
         if result is None:
             raise ValueError("a succeeded job needs a result")
-        line = output_line(request, job_id, result)
-    else:
-        line = job_error_line(request, job_id, status, error)
-    return {"batch_id": str(batch_id), "batch_line": line}
+        body = response_body(url or COMPLETIONS_URL, model, job_id, result)
+        response = {"status_code": 200, "request_id": f"req_{job_id}", "body": body}
+        line = {"id": f"batch_req_{job_id}", "custom_id": custom_id, "response": response}
+        return True, _dumps({**line, "error": None})
+    if code is not None:
+        return False, error_line(custom_id, job_id, code, error or code, status_code=None)
+    if status == "cancelled":
+        msg = error or "cancelled"
+        return False, error_line(custom_id, job_id, BATCH_CANCELLED, msg, status_code=None)
+    return False, error_line(custom_id, job_id, "server_error", error or "failed", status_code=500)

@@ -8,10 +8,18 @@ drains the worker's cancel set in one round trip.
 Fencing: each lease carries a token (``fence``) that :meth:`claim` / :meth:`reclaim` increment. A
 write succeeds only while the job's current fence equals the writer's, so a worker that lost its
 lease (presumed dead, its entry reclaimed by another) can never overwrite the new owner's work.
+
+Batch jobs: the batch fan-out enqueues with a :class:`BatchRef`, written as server-owned fields of
+the job record (``batch_id``, ``custom_id``, ``batch_url``, ``batch_model``) together with the
+job's entry in the batch's members set. Leases carry that ref back; the store builds the job's
+batch line (:func:`batch_line`, the one builder) and the scripts add it only for a member of the
+batch. Nothing a client writes (``metadata``, idempotency keys) ever names a batch: the metadata
+keys and idempotency-key prefix the service reserves are refused (:func:`check_client_request`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from collections.abc import Iterable, Sequence
@@ -23,6 +31,7 @@ import redis
 from pydantic import ValidationError
 from redis.commands.core import Script
 
+from pagedserve import openai_format
 from pagedserve.keys import GROUP, PRIORITIES, Keys, Priority
 from pagedserve.redis_util import connect
 from pagedserve.schemas import (
@@ -44,6 +53,68 @@ DEFAULT_EVENTS_MAXLEN = 10_000
 
 FinalStatus = Literal["succeeded", "failed", "cancelled"]
 
+#: Metadata keys only the batch fan-out writes (its jobs show them); refused from clients.
+RESERVED_METADATA_KEYS = frozenset({"batch_id", "custom_id"})
+#: Idempotency keys with this prefix were the fan-out's own (before ``Keys.batch_idem``); refused
+#: from clients so that no old or future internal key can be taken.
+RESERVED_IDEMPOTENCY_PREFIX = "batch:"
+
+#: Redis errors that say "not now" rather than "this call is wrong": retried like a lost connection.
+TRANSIENT_REPLY_ERRORS: tuple[type[Exception], ...] = (
+    redis.exceptions.ReadOnlyError,
+    redis.exceptions.OutOfMemoryError,
+    redis.exceptions.BusyLoadingError,
+)
+
+
+def check_client_request(request: JobRequest) -> None:
+    """Raise ``ValueError`` for a client request that uses a name the service reserves."""
+    idem = request.idempotency_key
+    if idem is not None and idem.startswith(RESERVED_IDEMPOTENCY_PREFIX):
+        raise ValueError(
+            f"idempotency_key: the prefix {RESERVED_IDEMPOTENCY_PREFIX!r} is reserved for "
+            "batch requests"
+        )
+    taken = sorted(RESERVED_METADATA_KEYS & set(request.metadata or {}))
+    if taken:
+        raise ValueError(f"metadata: the keys {taken} are reserved for batch requests")
+
+
+@dataclass(frozen=True)
+class BatchRef:
+    """What makes a job a request of an OpenAI batch: written by the fan-out into the job record
+    (server-owned hash fields), never taken from the request."""
+
+    batch_id: str
+    custom_id: str
+    url: str
+    model: str
+
+    @classmethod
+    def from_fields(cls, fields: Sequence[Any]) -> BatchRef | None:
+        """From ``(batch_id, custom_id, batch_url, batch_model)`` as the scripts return them."""
+        if len(fields) < 4 or not fields[0] or fields[1] is None:
+            return None
+        return cls(str(fields[0]), str(fields[1]), str(fields[2] or ""), str(fields[3] or ""))
+
+    def idempotency_digest(self) -> str:
+        return hashlib.sha256(self.custom_id.encode()).hexdigest()[:32]
+
+
+def batch_line(
+    ref: BatchRef,
+    job_id: str,
+    status: str,
+    result: JobResult | None = None,
+    error: str | None = None,
+    *,
+    code: str | None = None,
+) -> tuple[bool, str]:
+    """``(succeeded?, line)``: the one place a batch job's output or error line is built."""
+    return openai_format.batch_line(
+        ref.custom_id, ref.url, ref.model, job_id, status, result, error, code=code
+    )
+
 
 @dataclass(frozen=True)
 class Lease:
@@ -56,6 +127,8 @@ class Lease:
     entry_id: str
     request: JobRequest
     deliveries: int
+    #: Set for a job of an OpenAI batch (from the job record's server-owned fields).
+    batch: BatchRef | None = None
 
 
 @dataclass(frozen=True)
@@ -78,16 +151,38 @@ class Finish:
     status: FinalStatus
     result: JobResult | None = None
     error: str | None = None
-    #: For a job of an OpenAI batch: the batch and the output (succeeded) or error-file line
-    #: (failed, cancelled) appended atomically with the final write, only if it is accepted.
-    batch_id: str | None = None
-    batch_line: str | None = None
 
 
 def batch_keys(keys: Keys, batch_id: str) -> tuple[str, str, str, str]:
     """A batch's hash, output-line list, error-line list and set of counted job ids."""
-    base = keys.batch(batch_id)
-    return base, f"{base}:output", f"{base}:errors", f"{base}:counted"
+    return (
+        keys.batch(batch_id),
+        keys.batch_output(batch_id),
+        keys.batch_errors(batch_id),
+        keys.batch_counted(batch_id),
+    )
+
+
+@dataclass(frozen=True)
+class LineAdd:
+    """One batch line to add outside a worker's final write (see ``batch_line.lua``)."""
+
+    job_id: str
+    ref: BatchRef
+    ok: bool
+    line: str
+    allow_missing: bool = False
+    allow_running: bool = False
+
+
+@dataclass(frozen=True)
+class WriteError:
+    """A write of one job that Redis refused with an error (not a lost lease)."""
+
+    job_id: str
+    message: str
+    #: The refused final write, or ``None`` for a progress update.
+    finish: Finish | None = None
 
 
 @dataclass
@@ -98,6 +193,9 @@ class StepResult:
     lost: list[str] = field(default_factory=list)
     #: Job ids a client asked to cancel (drained from this worker's cancel set).
     cancels: set[str] = field(default_factory=set)
+    #: Writes Redis answered with an error (e.g. a key of the wrong type): the job cannot be
+    #: written as asked; the worker fails it (or retries without its batch line) and goes on.
+    errors: list[WriteError] = field(default_factory=list)
 
 
 @dataclass
@@ -117,6 +215,7 @@ _SCRIPTS = (
     "release",
     "cancel",
     "pop_cancels",
+    "batch_line",
 )
 
 #: One script call: (script name, KEYS, ARGV).
@@ -208,11 +307,13 @@ class JobStore:
             pipe.script_load(sc.script)
         pipe.execute()
 
-    def _exec(self, calls: Sequence[Call]) -> list[Any]:
+    def _exec(self, calls: Sequence[Call], *, raise_errors: bool = True) -> list[Any]:
         """Run script calls as EVALSHA in one non-transactional pipeline: one round trip.
 
         A NOSCRIPT error (empty script cache after a Redis restart) fails every call of the
-        pipeline the same way, so loading the scripts and resending it once is safe.
+        pipeline the same way, so loading the scripts and resending it once is safe. With
+        ``raise_errors=False`` a call's error is returned in its place (the others still count),
+        except transient ones (:data:`TRANSIENT_REPLY_ERRORS`), which are raised.
         """
         if not calls:
             return []
@@ -225,41 +326,65 @@ class JobStore:
                 self.load_scripts()
                 continue
             for x in replies:
-                if isinstance(x, Exception):
+                if isinstance(x, Exception) and (
+                    raise_errors or isinstance(x, TRANSIENT_REPLY_ERRORS)
+                ):
                     raise x
             return replies
         raise AssertionError("unreachable")
 
     # ----------------------------------------------------------------------------- client side
-    def enqueue_args(self, job_id: str, request: JobRequest) -> tuple[list[str], list[str]]:
-        """KEYS and ARGV of the enqueue script (exposed for pipelined bulk submission)."""
-        idem = request.idempotency_key
-        keys = [
-            self.keys.job(job_id),
-            self.keys.stream(request.priority),
-            self.keys.idem(idem) if idem else self.keys.idem(""),
-        ]
+    def enqueue_args(
+        self, job_id: str, request: JobRequest, *, batch: BatchRef | None = None
+    ) -> tuple[list[str], list[str]]:
+        """KEYS and ARGV of the enqueue script (exposed for pipelined bulk submission).
+
+        Without ``batch`` the request is a client's: reserved names raise ``ValueError``. With
+        ``batch`` (the fan-out) the job is a member of that batch, idempotent per custom id
+        under a key no client can name (``Keys.batch_idem``)."""
+        if batch is None:
+            check_client_request(request)
+            idem = request.idempotency_key
+            idem_key = self.keys.idem(idem or "")
+        else:
+            idem = idem_key = self.keys.batch_idem(batch.batch_id, batch.idempotency_digest())
+        keys = [self.keys.job(job_id), self.keys.stream(request.priority), idem_key]
         args = [
             job_id,
             request.model_dump_json(exclude_none=True),
             request.priority,
             "1" if idem else "0",
         ]
+        if batch is not None:
+            keys.append(self.keys.batch_members(batch.batch_id))
+            args += [batch.batch_id, batch.custom_id, batch.url, batch.model]
         return keys, args
 
-    def enqueue(self, job_id: str, request: JobRequest) -> tuple[str, bool]:
+    def enqueue(
+        self, job_id: str, request: JobRequest, *, batch: BatchRef | None = None
+    ) -> tuple[str, bool]:
         """Store and queue a job. Returns ``(job id, created)``; with an idempotency key already
         used, the existing job's id and ``False``."""
         self.ensure_groups()
-        keys, args = self.enqueue_args(job_id, request)
+        keys, args = self.enqueue_args(job_id, request, batch=batch)
         got, created = self._exec([("enqueue", keys, args)])[0]
         return got, bool(created)
 
-    def enqueue_many(self, jobs: Sequence[tuple[str, JobRequest]]) -> list[tuple[str, bool]]:
-        """:meth:`enqueue` for many jobs in one pipelined round trip (chunk large lists)."""
+    def enqueue_many(
+        self,
+        jobs: Sequence[tuple[str, JobRequest]],
+        *,
+        batches: Sequence[BatchRef] | None = None,
+    ) -> list[tuple[str, bool]]:
+        """:meth:`enqueue` for many jobs in one pipelined round trip (chunk large lists);
+        ``batches`` gives each job's :class:`BatchRef` (the fan-out)."""
         self.ensure_groups()
-        replies = self._exec([("enqueue", *self.enqueue_args(jid, req)) for jid, req in jobs])
-        return [(got, bool(created)) for got, created in replies]
+        refs: Sequence[BatchRef | None] = batches if batches is not None else [None] * len(jobs)
+        calls: list[Call] = [
+            ("enqueue", *self.enqueue_args(jid, req, batch=ref))
+            for (jid, req), ref in zip(jobs, refs, strict=True)
+        ]
+        return [(got, bool(created)) for got, created in self._exec(calls)]
 
     def get(self, job_id: str) -> JobRecord | None:
         """The job's record, or ``None`` for an unknown (or expired) id."""
@@ -283,13 +408,54 @@ class JobStore:
 
     def cancel(self, job_id: str) -> JobStatus:
         """Cancel a job: queued -> cancelled at once; running -> cancelling (its worker aborts it
-        at its next step and writes cancelled); a finished job keeps its status."""
-        call: Call = (
-            "cancel",
-            [self.keys.job(job_id), self.keys.events(job_id)],
-            [self.keys.cancel_prefix, self.retention_s, self.events_maxlen],
-        )
-        return JobStatus(self._exec([call])[0])
+        at its next step and writes cancelled); a finished job keeps its status. A batch job
+        cancelled here gets its ``batch_cancelled`` line."""
+        return self.cancel_many([job_id])[0]
+
+    def cancel_many(
+        self,
+        job_ids: Sequence[str],
+        *,
+        code: str = openai_format.BATCH_CANCELLED,
+        message: str = "cancelled before it ran",
+        count_running: bool = False,
+    ) -> list[JobStatus]:
+        """:meth:`cancel` for many jobs (two pipelined round trips). Each batch job that ends
+        here gets its ``code`` error line; with ``count_running`` (a batch expiring) a running
+        one too, so that the batch's files are complete at once (its worker's later cancelled
+        write then finds it counted and adds nothing)."""
+        args = [self.keys.cancel_prefix, self.retention_s, self.events_maxlen]
+        calls: list[Call] = [
+            ("cancel", [self.keys.job(j), self.keys.events(j)], args) for j in job_ids
+        ]
+        replies = self._exec(calls)
+        adds: list[LineAdd] = []
+        for jid, (status, ended, *fields) in zip(job_ids, replies, strict=True):
+            ref = BatchRef.from_fields(fields)
+            running = count_running and status in ("running", "cancelling")
+            if ref is not None and (int(ended) or running):
+                ok, line = batch_line(ref, jid, "cancelled", error=message, code=code)
+                adds.append(LineAdd(jid, ref, ok, line, allow_running=running))
+        self.add_batch_lines(adds)
+        return [JobStatus(reply[0]) for reply in replies]
+
+    def add_batch_lines(self, adds: Sequence[LineAdd]) -> int:
+        """Add batch lines of jobs that ended without their worker's final write (one round
+        trip); each is added only for a member of its batch, once. Returns how many were."""
+        calls: list[Call] = []
+        for a in adds:
+            bid = a.ref.batch_id
+            keys = [
+                self.keys.job(a.job_id),
+                self.keys.batch(bid),
+                self.keys.batch_members(bid),
+                self.keys.batch_counted(bid),
+                self.keys.batch_output(bid) if a.ok else self.keys.batch_errors(bid),
+            ]
+            flags = ["1" if a.allow_missing else "0", "1" if a.allow_running else "0"]
+            field_ = "completed" if a.ok else "failed"
+            calls.append(("batch_line", keys, [a.job_id, bid, a.line, field_, *flags]))
+        return sum(int(x) for x in self._exec(calls))
 
     @staticmethod
     def _record(h: dict[str, str]) -> JobRecord | None:
@@ -416,36 +582,84 @@ class JobStore:
             ]
             calls.append(("lease", keys, args))
         leases: list[Lease] = []
-        for (stream, eid, job_id), reply in zip(live, self._exec(calls), strict=True):
+        adds: list[LineAdd] = []
+        replies = self._exec(calls, raise_errors=False)
+        for (stream, eid, job_id), reply in zip(live, replies, strict=True):
             assert job_id is not None
+            if isinstance(reply, Exception):
+                self._dead_letter_unreadable(stream, eid, job_id, reply)
+                continue
             kind = reply[0]
-            if kind == "dead":
-                self.stats.dead_lettered += 1
-                log.warning("job %s dead-lettered: %s", job_id, reply[1])
+            if kind in ("dead", "skip"):
+                self._count_unrun(job_id, reply, adds)
                 continue
-            if kind != "ok":
-                self.stats.skipped += 1
-                continue
-            reason = None
-            try:
-                request = JobRequest.model_validate_json(reply[2] or "")
-            except ValidationError as e:
-                request, reason = UNPARSABLE_REQUEST, short_validation_error(e)
-            lease = Lease(
-                job_id=job_id,
-                fence=int(reply[1]),
-                consumer=consumer,
-                priority=stream.rsplit(":", 1)[1],  # type: ignore[arg-type]
-                entry_id=eid,
-                request=request,
-                deliveries=int(reply[3]),
-            )
-            if reason is not None:
-                # Leased (so owned and fenced) but handed over apart, to be failed at once.
-                self.malformed.append((lease, f"invalid request: {reason}"))
-                continue
-            leases.append(lease)
+            lease = self._lease_of(consumer, stream, eid, job_id, reply)
+            if lease is not None:
+                leases.append(lease)
+        if adds:
+            self.add_batch_lines(adds)
         return leases
+
+    def _count_unrun(self, job_id: str, reply: Sequence[Any], adds: list[LineAdd]) -> None:
+        """A job that ended at claim (dead-lettered, or cancelled while its owner was gone):
+        count it, and queue its batch line."""
+        kind, why, *fields = reply
+        if kind == "dead":
+            self.stats.dead_lettered += 1
+            log.warning("job %s dead-lettered: %s", job_id, why)
+        else:
+            self.stats.skipped += 1
+        ref = BatchRef.from_fields(fields)
+        if ref is None or (kind == "skip" and why != "cancelled"):
+            return
+        if kind == "dead":
+            ok, line = batch_line(
+                ref, job_id, "failed", error=why, code=openai_format.DEAD_LETTERED
+            )
+        else:
+            msg = "cancelled before it finished"
+            ok, line = batch_line(
+                ref, job_id, "cancelled", error=msg, code=openai_format.BATCH_CANCELLED
+            )
+        adds.append(LineAdd(job_id, ref, ok, line))
+
+    def _lease_of(
+        self, consumer: str, stream: str, eid: str, job_id: str, reply: Sequence[Any]
+    ) -> Lease | None:
+        """The lease of an 'ok' reply; ``None`` (handed over in :attr:`malformed`) when the
+        stored request does not parse."""
+        reason = None
+        try:
+            request = JobRequest.model_validate_json(reply[2] or "")
+        except ValidationError as e:
+            request, reason = UNPARSABLE_REQUEST, short_validation_error(e)
+        lease = Lease(
+            job_id=job_id,
+            fence=int(reply[1]),
+            consumer=consumer,
+            priority=stream.rsplit(":", 1)[1],  # type: ignore[arg-type]
+            entry_id=eid,
+            request=request,
+            deliveries=int(reply[3]),
+            batch=BatchRef.from_fields(reply[4:]),
+        )
+        if reason is not None:
+            # Leased (so owned and fenced) but handed over apart, to be failed at once.
+            self.malformed.append((lease, f"invalid request: {reason}"))
+            return None
+        return lease
+
+    def _dead_letter_unreadable(self, stream: str, eid: str, job_id: str, err: Exception) -> None:
+        """An entry whose lease script failed (its job key is not a job record): nothing can
+        run or fail it, so it goes to the dead-letter stream with the reason, and is acked."""
+        reason = f"unreadable job record: {err}"
+        log.warning("job %s dead-lettered: %s", job_id, reason)
+        self.stats.dead_lettered += 1
+        pipe = self.r.pipeline(transaction=True)
+        pipe.xadd(self.keys.dead, {"job": job_id, "stream": stream, "entry": eid,
+                                   "reason": reason})  # fmt: skip
+        pipe.xack(stream, GROUP, eid)
+        pipe.execute()
 
     def take_malformed(self) -> list[tuple[Lease, str]]:
         """Leases whose stored request does not parse, with the reason (cleared on read)."""
@@ -487,6 +701,7 @@ class JobStore:
         return lost
 
     def _finish_call(self, fin: Finish) -> Call:
+        """The fenced final write; a batch job's line (built here) goes with it."""
         lease = fin.lease
         if fin.status == "succeeded" and fin.result is None:
             raise ValueError("a succeeded job needs a result")
@@ -508,11 +723,17 @@ class JobStore:
             self.retention_s,
             self.events_maxlen,
         ]
-        if fin.batch_id and fin.batch_line is not None:
-            ok = fin.status == "succeeded"
-            bhash, out, errs, counted = batch_keys(self.keys, fin.batch_id)
-            keys += [bhash, out if ok else errs, counted]
-            args += [fin.batch_line, "completed" if ok else "failed", lease.job_id]
+        ref = lease.batch
+        if ref is not None:
+            ok, line = batch_line(ref, lease.job_id, fin.status, fin.result, fin.error)
+            bid = ref.batch_id
+            keys += [
+                self.keys.batch(bid),
+                self.keys.batch_members(bid),
+                self.keys.batch_counted(bid),
+                self.keys.batch_output(bid) if ok else self.keys.batch_errors(bid),
+            ]
+            args += [lease.job_id, bid, line, "completed" if ok else "failed"]
         return ("finish", keys, args)
 
     def _progress_call(self, p: Progress) -> Call:
@@ -538,23 +759,29 @@ class JobStore:
         ``consumer``) the drain of that worker's cancel set. Refused writes (lease lost) are
         reported in :attr:`StepResult.lost`, each job once."""
         calls: list[Call] = []
-        ids: list[str] = []
+        ids: list[tuple[str, Finish | None]] = []
         for p in progress:
             calls.append(self._progress_call(p))
-            ids.append(p.lease.job_id)
+            ids.append((p.lease.job_id, None))
         for f in finished:
             calls.append(self._finish_call(f))
-            ids.append(f.lease.job_id)
+            ids.append((f.lease.job_id, f))
         if consumer is not None:
             calls.append(("pop_cancels", [self.keys.cancel(consumer)], []))
-        replies = self._exec(calls)
+        replies = self._exec(calls, raise_errors=False)
         out = StepResult()
-        for jid, reply in zip(ids, replies, strict=False):
+        for (jid, fin), reply in zip(ids, replies, strict=False):
+            if isinstance(reply, Exception):
+                log.warning("write for job %s failed: %s", jid, reply)
+                out.errors.append(WriteError(jid, str(reply), fin))
+                continue
             ok = reply[0] if isinstance(reply, list) else reply
             if not ok and jid not in out.lost:
                 out.lost.append(jid)
                 log.warning("write for job %s refused: lease lost", jid)
         if consumer is not None:
+            if isinstance(replies[-1], Exception):
+                raise replies[-1]
             out.cancels = set(replies[-1][0] or ())
         return out
 
@@ -591,7 +818,14 @@ class JobStore:
             self.keys.events(lease.job_id),
         ]
         args = [lease.fence, GROUP, lease.job_id, self.retention_s, self.events_maxlen]
-        out = self._exec([("release", keys, args)])[0]
+        out, *fields = self._exec([("release", keys, args)])[0]
+        ref = BatchRef.from_fields(fields)
+        if out == "cancelled" and ref is not None:
+            msg = "cancelled before it finished"
+            ok, line = batch_line(
+                ref, lease.job_id, "cancelled", error=msg, code=openai_format.BATCH_CANCELLED
+            )
+            self.add_batch_lines([LineAdd(lease.job_id, ref, ok, line)])
         return JobStatus(out) if out in ("queued", "cancelled") else None
 
     def pop_cancels(self, consumer: str) -> set[str]:
@@ -647,10 +881,13 @@ class JobStore:
 
 __all__ = [
     "TERMINAL_STATUSES",
+    "BatchRef",
     "ClaimStats",
     "Finish",
     "JobStore",
     "Lease",
+    "LineAdd",
     "Progress",
     "StepResult",
+    "WriteError",
 ]

@@ -13,7 +13,6 @@ from pagedserve.openai_format import (
     CHAT_URL,
     COMPLETIONS_URL,
     LineInvalid,
-    batch_finish_fields,
     parse_file,
     parse_line,
 )
@@ -207,8 +206,7 @@ def finish(
     error: str | None = None,
 ) -> bool:
     res = res if res is not None or status != "succeeded" else result()
-    fields = batch_finish_fields(lease.request, lease.job_id, status, res, error)
-    step = bs.jobs.commit_step(finished=[Finish(lease, status, result=res, error=error, **fields)])  # type: ignore[arg-type]
+    step = bs.jobs.commit_step(finished=[Finish(lease, status, result=res, error=error)])  # type: ignore[arg-type]
     return not step.lost
 
 
@@ -430,23 +428,28 @@ def test_expire_writes_batch_expired_lines(bs: BatchStore) -> None:
 
 
 def test_reconcile_counts_jobs_ended_without_a_line(bs: BatchStore) -> None:
-    """A drain hands back a job being cancelled (release.lua): it ends cancelled without a
-    line; finalize_ready's reconcile adds it, once."""
+    """A job whose record is gone (expired, deleted) never gets a final write: finalize_ready's
+    reconcile adds its ``job_lost`` line, once. (A drain handing back a job being cancelled,
+    release.lua, gets its line at once.)"""
     bs.reconcile_every_s = 3600
-    b = submit(bs, [line("a"), line("b")])
-    la, lb = bs.jobs.claim("w", 2)
-    assert bs.reconcile(b.id) == 0  # both running: nothing to add (and not due for an hour)
+    b = submit(bs, [line("a"), line("b"), line("c")])
+    la, lb, lc = bs.jobs.claim("w", 3)
+    assert bs.reconcile(b.id) == 0  # all running: nothing to add (and not due for an hour)
     assert bs.jobs.cancel(la.job_id) == "cancelling"
     assert bs.jobs.release(la) == "cancelled"
+    assert bs.get(b.id).request_counts.failed == 1  # its line came with the release
+    bs.r.delete(bs.keys.job(lc.job_id))
     assert finish(bs, lb)
     assert bs.finalize_ready() == [] and bs.get(b.id).status == "in_progress"
     bs.reconcile_every_s = 0
     assert bs.finalize_ready() == [b.id]
     done = bs.get(b.id)
     assert done.status == "completed"
-    assert done.request_counts.model_dump() == {"total": 2, "completed": 1, "failed": 1}
-    (err,) = lines_of(bs, done.error_file_id)
-    assert err["custom_id"] == "a" and err["error"]["code"] == "batch_cancelled"
+    assert done.request_counts.model_dump() == {"total": 3, "completed": 1, "failed": 2}
+    errs = {e["id"]: e for e in lines_of(bs, done.error_file_id)}
+    assert errs[f"batch_req_{la.job_id}"]["custom_id"] == "a"
+    assert errs[f"batch_req_{la.job_id}"]["error"]["code"] == "batch_cancelled"
+    assert errs[f"batch_req_{lc.job_id}"]["error"]["code"] == "job_lost"
     assert bs.reconcile(b.id) == 0
 
 
@@ -479,7 +482,7 @@ def test_reconcile_races_worker_writes(bs: BatchStore) -> None:
                 assert bs.jobs.complete(lease, result(f"x{i}"))
             elif kind == 2:
                 assert finish(bs, lease, status="failed", error="boom")
-            else:  # cancelled, then handed back by a draining worker: no line
+            else:  # cancelled, then handed back by a draining worker (its line follows)
                 bs.jobs.cancel(lease.job_id)
                 bs.jobs.release(lease)
     finally:

@@ -17,7 +17,7 @@ from celery import Celery, chain, group
 
 from pagedserve.batches import BatchStore
 from pagedserve.celery_app import make_app
-from pagedserve.openai_format import COMPLETIONS_URL, batch_finish_fields
+from pagedserve.openai_format import COMPLETIONS_URL
 from pagedserve.redis_util import LocalRedisServer
 from pagedserve.schemas import Completion, JobResult
 from pagedserve.store import Finish, JobStore
@@ -81,8 +81,7 @@ class PlayWorker:
                     prompt_tokens=2,
                     completion_tokens=1,
                 )
-                extra = batch_finish_fields(lease.request, lease.job_id, "succeeded", res)
-                self.store.commit_step(finished=[Finish(lease, "succeeded", result=res, **extra)])
+                self.store.commit_step(finished=[Finish(lease, "succeeded", result=res)])
 
     def __enter__(self) -> PlayWorker:
         self.thread.start()

@@ -11,8 +11,10 @@ One iteration of the loop:
    worker's cancel set (cancelled and lost jobs are aborted in the engine at once).
 
 Redis errors never stop the loop: the engine keeps stepping, progress accumulates, final writes are
-buffered, and Redis is retried with backoff. SIGTERM / SIGINT drain: no more claims, running jobs
-get ``--grace-s`` seconds, the rest go back to the queue (``store.release``), exit status 0.
+buffered, and Redis is retried with backoff. Nothing one job carries stops it either: a write of
+one job that Redis refuses with an error (a key of the wrong type, say) fails that job with the
+reason, a lease that cannot be read dead-letters its entry, and the loop goes on.
+SIGTERM / SIGINT drain: no more claims, running jobs get ``--grace-s`` seconds, the rest go back to the queue (``store.release``), exit status 0.
 """
 
 from __future__ import annotations
@@ -27,17 +29,16 @@ import socket
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import redis
 from pydantic import ValidationError
 
-from pagedserve import openai_format
 from pagedserve.redis_util import default_url
 from pagedserve.schemas import Completion, JobResult
 from pagedserve.schemas import TokenLogprob as WireLogprob
-from pagedserve.store import Finish, JobStore, Lease, Progress
+from pagedserve.store import Finish, JobStore, Lease, Progress, WriteError
 from pagedserve.telemetry import (
     Histogram,
     PoolSnapshot,
@@ -55,6 +56,8 @@ log = logging.getLogger("pagedserve.worker")
 PREFIX_ENV = "PAGEDSERVE_PREFIX"
 #: Errors that mean "Redis is unreachable right now": retried with backoff, never fatal.
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
+#: How the failure reason of a job whose state Redis refused to write begins.
+WRITE_FAILED = "could not write the job's state: "
 #: Most jobs leased by one claim call.
 MAX_CLAIM = 64
 
@@ -176,19 +179,6 @@ def result_of(out: RequestOutput) -> JobResult:
     )
 
 
-# ------------------------------------------------------------------------------- batch jobs
-def batch_finish_fields(
-    lease: Lease, status: str, result: JobResult | None, error: str | None
-) -> dict[str, Any]:
-    """``batch_id`` / ``batch_line`` for the final write of an OpenAI batch job (``{}`` for any
-    other job); a line that cannot be built fails nothing: the job finishes without it."""
-    try:
-        return openai_format.batch_finish_fields(lease.request, lease.job_id, status, result, error)
-    except ValueError as e:
-        log.warning("job %s: no batch line: %s", lease.job_id, e)
-        return {}
-
-
 # ------------------------------------------------------------------------------- the loop
 class Worker:
     """The service loop: Redis jobs in, engine steps, fenced results out."""
@@ -228,11 +218,17 @@ class Worker:
         try:
             out = fn(*args, **kw)
         except redis.ResponseError as e:
-            if "NOGROUP" not in str(e):
-                raise
-            # The streams or the group vanished (FLUSHALL, a restart without AOF): recreate.
-            log.warning("consumer group missing; recreating it")
-            self.store._groups_ready = False
+            if "NOGROUP" in str(e):
+                # The streams or the group vanished (FLUSHALL, a restart without AOF): recreate.
+                log.warning("consumer group missing; recreating it")
+                self.store._groups_ready = False
+            else:
+                # Not one job's (those come back in StepResult.errors): retried with backoff,
+                # never fatal.
+                log.warning("redis error (%s); retrying with backoff", e)
+                self.retry_at = time.monotonic() + self.backoff
+                self.backoff = min(2.0, self.backoff * 2)
+                self.redis_ok = False
             raise _RedisDown from e
         except REDIS_DOWN as e:
             if self.redis_ok:
@@ -277,7 +273,8 @@ class Worker:
         for jid in job_ids:
             pipe.hget(self.store.keys.job(jid), "created_at")
         try:
-            values = self._redis(pipe.execute)
+            values = self._redis(pipe.execute, raise_on_error=False)
+            values = [None if isinstance(v, Exception) else v for v in values]
         except _RedisDown:
             values = [None] * len(job_ids)
         now = self._now_redis()
@@ -315,11 +312,7 @@ class Worker:
         self.jobs[lease.job_id] = JobState(lease, created_at, req.params.max_tokens)
 
     def _fail(self, lease: Lease, reason: str) -> None:
-        self._final(
-            Finish(
-                lease, "failed", error=reason, **batch_finish_fields(lease, "failed", None, reason)
-            )
-        )
+        self._final(Finish(lease, "failed", error=reason))
 
     def _final(self, fin: Finish) -> None:
         self.unsent.append(fin)
@@ -398,9 +391,7 @@ class Worker:
         if out.error:
             self._fail(lease, out.error)
             return
-        result = result_of(out)
-        extra = batch_finish_fields(lease, "succeeded", result, None)
-        self._final(Finish(lease, "succeeded", result=result, **extra))
+        self._final(Finish(lease, "succeeded", result=result_of(out)))
 
     def commit(self) -> None:
         """One round trip: progress, final writes, cancel drain."""
@@ -415,16 +406,37 @@ class Worker:
             return  # kept: sent when Redis is back
         self.unsent_progress, self.unsent = [], []
         self._drop_lost(res.lost)
+        for err in res.errors:
+            self._write_failed(err)
         for jid in res.cancels:
             st = self.jobs.pop(jid, None)
             if st is None:
                 continue
             self.engine.abort(jid)
-            partial = st.partial_result()
-            extra = batch_finish_fields(st.lease, "cancelled", partial, "cancelled")
-            self._final(Finish(st.lease, "cancelled", result=partial, **extra))
+            self._final(Finish(st.lease, "cancelled", result=st.partial_result()))
         if res.cancels & {f.lease.job_id for f in self.unsent}:
             self.commit()  # write the cancellations at once
+
+    def _write_failed(self, err: WriteError) -> None:
+        """A write of one job that Redis refused with an error. A running job is aborted and
+        failed with the reason; a refused final write of a batch job is retried without its
+        batch line (kept, for the batch's reconcile), any other one becomes a failure with the
+        reason; if that is refused too the job is dropped (its entry is redelivered and, in the
+        end, dead-lettered)."""
+        reason = f"{WRITE_FAILED}{err.message}"
+        fin = err.finish
+        if fin is None:
+            st = self.jobs.pop(err.job_id, None)
+            if st is not None:
+                self.engine.abort(err.job_id)
+                self._fail(st.lease, reason)
+            return
+        if fin.lease.batch is not None:
+            self._final(replace(fin, lease=replace(fin.lease, batch=None)))
+        elif not (fin.status == "failed" and (fin.error or "").startswith(WRITE_FAILED)):
+            self._fail(fin.lease, reason)
+        else:
+            log.error("job %s: final write refused again, dropped: %s", err.job_id, err.message)
 
     # ----------------------------------------------------------------- drain
     def drain_expired(self) -> None:

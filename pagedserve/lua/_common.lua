@@ -15,16 +15,17 @@ local function is_terminal(s)
 end
 
 -- Ends a job: final status and time, the end event for streamers, and the retention TTL on
--- everything the job owns (record, events, idempotency key).
+-- everything the job owns (record, events, idempotency key). The events stream is a convenience
+-- for followers: an error there (a key of the wrong type) never stops the job's final write.
 local function finish(job, events, status, retention_s, events_maxlen)
   redis.call('HSET', job, 'status', status, 'finished_at', now_s())
   redis.call('HDEL', job, 'lease_expiry')
-  redis.call('XADD', events, 'MAXLEN', '~', events_maxlen, '*', 'type', 'end', 'status', status)
+  redis.pcall('XADD', events, 'MAXLEN', '~', events_maxlen, '*', 'type', 'end', 'status', status)
   redis.call('EXPIRE', job, retention_s)
-  redis.call('EXPIRE', events, retention_s)
+  redis.pcall('EXPIRE', events, retention_s)
   local ik = redis.call('HGET', job, 'idem_key')
   if ik then
-    redis.call('EXPIRE', ik, retention_s)
+    redis.pcall('EXPIRE', ik, retention_s)
   end
 end
 
@@ -40,30 +41,46 @@ local function holds(job, fence)
   return true, cur[2]
 end
 
--- For a job of an OpenAI batch (its request's metadata names batch_id and custom_id) that ends
--- here without a worker's final write: appends its error-file line to the batch and counts it as
--- failed, once per job (the batch's counted set, as in finish.lua), if the batch still exists.
--- The batch keys are derived from the job key (<prefix>:job:<id> -> <prefix>:batch:<batch id>).
-local function batch_error(job, job_id, request, code, message)
-  if not request or not job_id then
-    return
+-- The server-owned batch fields of a job record (written by the fan-out through enqueue.lua).
+local function batch_fields(job)
+  return redis.call('HMGET', job, 'batch_id', 'custom_id', 'batch_url', 'batch_model')
+end
+
+-- Raises before any write when a batch key has the wrong type, so that a script that calls this
+-- first either does everything or nothing.
+local function check_batch_keys(bhash, members, counted, lines)
+  local want = {{bhash, 'hash'}, {members, 'set'}, {counted, 'set'}, {lines, 'list'}}
+  for _, kt in ipairs(want) do
+    local t = redis.call('TYPE', kt[1]).ok
+    if t ~= 'none' and t ~= kt[2] then
+      return redis.error_reply('WRONGTYPE batch key ' .. kt[1] .. ' is a ' .. t)
+    end
   end
-  local ok, req = pcall(cjson.decode, request)
-  if not ok or type(req) ~= 'table' or type(req.metadata) ~= 'table' then
-    return
+  return nil
+end
+
+-- Appends a batch job's output or error `line` (built by pagedserve.store) and counts it under
+-- `field`, once per job (the counted set), and only when the job belongs to the batch: its
+-- server-written batch_id field names `batch_id` and the batch's members set holds it (with
+-- `allow_missing`, a job whose record is gone counts on membership alone), and the batch is open
+-- (not yet closed for writing its files). Returns 1 when added, 0 otherwise.
+local function add_batch_line(job, job_id, batch_id, bhash, members, counted, lines, line, field,
+                              allow_missing)
+  local bid = redis.call('HGET', job, 'batch_id')
+  if bid ~= batch_id and not (bid == false and allow_missing and
+      redis.call('EXISTS', job) == 0) then
+    return 0
   end
-  local bid, cid = req.metadata.batch_id, req.metadata.custom_id
-  if type(bid) ~= 'string' or cid == nil then
-    return
+  if redis.call('SISMEMBER', members, job_id) == 0 then
+    return 0
   end
-  local bhash = string.sub(job, 1, #job - #job_id - 4) .. 'batch:' .. bid
-  if redis.call('EXISTS', bhash) == 0 then
-    return
+  if redis.call('EXISTS', bhash) == 0 or redis.call('HEXISTS', bhash, 'closed') == 1 then
+    return 0
   end
-  if redis.call('SADD', bhash .. ':counted', job_id) == 1 then
-    local line = cjson.encode({id = 'batch_req_' .. job_id, custom_id = tostring(cid),
-      response = cjson.null, error = {code = code, message = message}})
-    redis.call('RPUSH', bhash .. ':errors', line)
-    redis.call('HINCRBY', bhash, 'failed', 1)
+  if redis.call('SADD', counted, job_id) == 0 then
+    return 0
   end
+  redis.call('RPUSH', lines, line)
+  redis.call('HINCRBY', bhash, field, 1)
+  return 1
 end

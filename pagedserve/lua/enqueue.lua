@@ -1,5 +1,9 @@
 -- KEYS: job hash, priority stream, idempotency key (ignored unless ARGV[4] == '1')
+--       [, the batch's members set]
 -- ARGV: job id, request JSON, priority, has idempotency key ('1' / '0')
+--       [, batch id, custom id, batch url, batch model]
+-- A job of a batch (KEYS[4] given) gets the server-owned batch fields in its record and joins the
+-- batch's members set in the same step, so that no client-written value ever names a batch.
 -- Returns {job id, 1 if created / 0 if the idempotency key named an existing job}.
 local job, stream, idem = KEYS[1], KEYS[2], KEYS[3]
 if ARGV[4] == '1' then
@@ -15,5 +19,10 @@ redis.call('HSET', job, 'id', ARGV[1], 'status', 'queued', 'request', ARGV[2],
   'fence', 0, 'entry', entry, 'stream', stream)
 if ARGV[4] == '1' then
   redis.call('HSET', job, 'idem_key', idem)
+end
+if #KEYS >= 4 then
+  redis.call('HSET', job, 'batch_id', ARGV[5], 'custom_id', ARGV[6], 'batch_url', ARGV[7],
+    'batch_model', ARGV[8])
+  redis.call('SADD', KEYS[4], ARGV[1])
 end
 return {ARGV[1], 1}

@@ -1,19 +1,24 @@
 -- Leases one delivered stream entry to a consumer.
 -- KEYS: job hash, priority stream, dead-letter stream, events stream
 -- ARGV: consumer, group, entry id, lease ms, max deliveries, retention s, events maxlen
--- Returns {'ok', fence, request JSON, deliveries} | {'skip', why} | {'dead', reason}.
--- A job of a batch that ends here (dead-lettered, or cancelled) gets its batch error line.
+-- Returns {'ok', fence, request JSON, deliveries, <batch fields>} | {'skip', why, <batch fields>}
+-- | {'dead', reason, <batch fields>}; <batch fields>: batch_id, custom_id, batch_url,
+-- batch_model of a batch job (nil otherwise), so that pagedserve.store adds the batch line of a
+-- job that ends here (dead-lettered, or cancelled).
+-- A job leased again after an earlier delivery (its worker died) gets a 'restart' event, and its
+-- events stream loses the earlier run's deltas: followers start over instead of repeating text.
 local job, stream, dead, events = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local consumer, group, entry = ARGV[1], ARGV[2], ARGV[3]
 local lease_ms, max_deliveries = tonumber(ARGV[4]), tonumber(ARGV[5])
 local retention, maxlen = ARGV[6], ARGV[7]
 
-local cur = redis.call('HMGET', job, 'status', 'entry', 'id', 'request')
+local cur = redis.call('HMGET', job, 'status', 'entry', 'id')
 local status = cur[1]
 if not status then
   redis.call('XACK', stream, group, entry)
   return {'skip', 'missing'}
 end
+local b = batch_fields(job)
 if is_terminal(status) then
   redis.call('XACK', stream, group, entry)
   return {'skip', status}
@@ -26,9 +31,8 @@ end
 if status == 'cancelling' then
   -- Its previous owner died between the cancel request and honouring it.
   finish(job, events, 'cancelled', retention, maxlen)
-  batch_error(job, cur[3], cur[4], 'batch_cancelled', 'cancelled before it finished')
   redis.call('XACK', stream, group, entry)
-  return {'skip', 'cancelled'}
+  return {'skip', 'cancelled', b[1], b[2], b[3], b[4]}
 end
 
 local deliveries = redis.call('HINCRBY', job, 'deliveries', 1)
@@ -37,11 +41,10 @@ if deliveries > max_deliveries then
   redis.call('HSET', job, 'error', reason)
   redis.call('HINCRBY', job, 'fence', 1)
   finish(job, events, 'failed', retention, maxlen)
-  batch_error(job, cur[3], cur[4], 'dead_lettered', reason)
   redis.call('XADD', dead, '*', 'job', cur[3], 'stream', stream, 'entry', entry,
     'deliveries', deliveries, 'reason', reason)
   redis.call('XACK', stream, group, entry)
-  return {'dead', reason}
+  return {'dead', reason, b[1], b[2], b[3], b[4]}
 end
 
 local fence = redis.call('HINCRBY', job, 'fence', 1)
@@ -50,4 +53,10 @@ local fence = redis.call('HINCRBY', job, 'fence', 1)
 redis.call('XCLAIM', stream, group, consumer, 0, entry, 'JUSTID')
 redis.call('HSET', job, 'status', 'running', 'worker', consumer, 'lease_expiry', now_ms() + lease_ms)
 redis.call('HSETNX', job, 'started_at', now_s())
-return {'ok', fence, redis.call('HGET', job, 'request'), deliveries}
+if deliveries > 1 then
+  local rid = redis.pcall('XADD', events, 'MAXLEN', '~', maxlen, '*', 'type', 'restart')
+  if type(rid) == 'string' then
+    redis.call('XTRIM', events, 'MINID', rid)
+  end
+end
+return {'ok', fence, redis.call('HGET', job, 'request'), deliveries, b[1], b[2], b[3], b[4]}

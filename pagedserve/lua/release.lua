@@ -3,17 +3,18 @@
 -- A job being cancelled is cancelled instead.
 -- KEYS: job hash, priority stream, events stream
 -- ARGV: fence, group, job id, retention s, events maxlen
--- Returns 'queued' | 'cancelled' | 'stale' | 'missing'.
+-- Returns {'queued' | 'cancelled' | 'stale' | 'missing', <batch fields>} (see lease.lua).
 local job, stream, events = KEYS[1], KEYS[2], KEYS[3]
 local ok, status = holds(job, ARGV[1])
 if not ok then
-  return status
+  return {status}
 end
+local b = batch_fields(job)
 local old = redis.call('HGET', job, 'entry')
 if status == 'cancelling' then
   finish(job, events, 'cancelled', ARGV[4], ARGV[5])
   redis.call('XACK', stream, ARGV[2], old)
-  return 'cancelled'
+  return {'cancelled', b[1], b[2], b[3], b[4]}
 end
 local entry = redis.call('XADD', stream, '*', 'job', ARGV[3])
 redis.call('XACK', stream, ARGV[2], old)
@@ -21,5 +22,8 @@ redis.call('HSET', job, 'status', 'queued', 'entry', entry, 'tokens_generated', 
 redis.call('HDEL', job, 'worker', 'lease_expiry', 'started_at', 'first_token_at')
 redis.call('HINCRBY', job, 'deliveries', -1)
 redis.call('HINCRBY', job, 'fence', 1)
-redis.call('XADD', events, 'MAXLEN', '~', ARGV[5], '*', 'type', 'restart')
-return 'queued'
+local rid = redis.pcall('XADD', events, 'MAXLEN', '~', ARGV[5], '*', 'type', 'restart')
+if type(rid) == 'string' then
+  redis.call('XTRIM', events, 'MINID', rid)
+end
+return {'queued'}
