@@ -15,9 +15,9 @@ from flask.testing import FlaskClient
 
 import pagedserve.batches as batches_mod
 from pagedserve.batches import BatchStore
-from pagedserve.client import Client, new_job_id
+from pagedserve.client import Client, accumulate, new_job_id
 from pagedserve.openai_format import COMPLETIONS_URL, parse_file
-from pagedserve.schemas import Completion, DeltaEvent, JobRequest, JobResult
+from pagedserve.schemas import Completion, JobRequest, JobResult
 from pagedserve.store import Finish, JobStore
 from tests.api_fixtures import make_app
 
@@ -322,17 +322,7 @@ def test_reclaimed_lease_appends_restart_and_drops_old_deltas(redis_url: str) ->
     ))  # fmt: skip
     events = list(client.stream(jid, timeout=5))
     assert [e.type for e in events] == ["restart", "delta", "end"]
-    assert follow_tokens(events) == {0: [4]}
+    acc = accumulate(events)
+    assert acc.token_ids == {0: [4]} and acc.texts == {0: "q"} and acc.restarts == 1
     sse = make_app(redis_url).test_client().get(f"/v1/jobs/{jid}/events").get_data(as_text=True)
     assert "event: restart" in sse and '"token_ids":[7,8]' not in sse
-
-
-def follow_tokens(events: list[DeltaEvent]) -> dict[int, list[int]]:
-    """What a follower accumulates: deltas per completion, discarded on ``restart``."""
-    acc: dict[int, list[int]] = {}
-    for ev in events:
-        if ev.type == "restart":
-            acc.clear()
-        elif ev.type == "delta":
-            acc.setdefault(ev.index, []).extend(ev.token_ids)
-    return acc

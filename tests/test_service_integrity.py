@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 
 from pagedserve.batches import BatchStore
-from pagedserve.client import Client, new_job_id
+from pagedserve.client import Client, accumulate, new_job_id
 from pagedserve.openai_format import COMPLETIONS_URL
 from pagedserve.schemas import DeltaEvent, JobRequest, JobStatus
 from pagedserve.store import JobStore
 from tests.fixtures.workers import StartWorker, wait_for
-from tests.test_integrity import follow_tokens, inject
+from tests.test_integrity import inject
 
 SHORT = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
 
@@ -123,5 +123,7 @@ def test_follower_of_a_reclaimed_job_sees_its_result_exactly(
     assert rec.result is not None
     types: list[Any] = [e.type for e in events]
     assert types.count("restart") == 1 and types[-1] == "end"
-    assert follow_tokens(events) == {0: rec.result.completions[0].token_ids}
+    acc = accumulate(events)
+    assert acc.token_ids == {0: rec.result.completions[0].token_ids}
+    assert acc.texts == {0: rec.result.completions[0].text} and acc.restarts == 1
     assert len(rec.result.completions[0].token_ids) == 240

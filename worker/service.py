@@ -14,7 +14,9 @@ Redis errors never stop the loop: the engine keeps stepping, progress accumulate
 buffered, and Redis is retried with backoff. Nothing one job carries stops it either: a write of
 one job that Redis refuses with an error (a key of the wrong type, say) fails that job with the
 reason, a lease that cannot be read dead-letters its entry, and the loop goes on.
-SIGTERM / SIGINT drain: no more claims, running jobs get ``--grace-s`` seconds, the rest go back to the queue (``store.release``), exit status 0.
+
+SIGTERM / SIGINT drain: no more claims, running jobs get ``--grace-s`` seconds, the rest go back to
+the queue (``store.release``), exit status 0.
 """
 
 from __future__ import annotations
