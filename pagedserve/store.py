@@ -441,7 +441,8 @@ class JobStore:
 
     def add_batch_lines(self, adds: Sequence[LineAdd]) -> int:
         """Add batch lines of jobs that ended without their worker's final write (one round
-        trip); each is added only for a member of its batch, once. Returns how many were."""
+        trip); each is added only for a member of its batch, once. Returns how many were (an
+        error of one batch is logged, not raised)."""
         calls: list[Call] = []
         for a in adds:
             bid = a.ref.batch_id
@@ -455,7 +456,17 @@ class JobStore:
             flags = ["1" if a.allow_missing else "0", "1" if a.allow_running else "0"]
             field_ = "completed" if a.ok else "failed"
             calls.append(("batch_line", keys, [a.job_id, bid, a.line, field_, *flags]))
-        return sum(int(x) for x in self._exec(calls))
+        added = 0
+        for a, reply in zip(adds, self._exec(calls, raise_errors=False), strict=True):
+            if isinstance(reply, Exception):
+                # A broken batch (a key of the wrong type) must not fail the cancel, claim or
+                # release that ended the job; the batch's own finalisation reports it.
+                log.warning(
+                    "batch %s: line of job %s not added: %s", a.ref.batch_id, a.job_id, reply
+                )
+            else:
+                added += int(reply)
+        return added
 
     @staticmethod
     def _record(h: dict[str, str]) -> JobRecord | None:

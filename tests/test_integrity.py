@@ -326,3 +326,43 @@ def test_reclaimed_lease_appends_restart_and_drops_old_deltas(redis_url: str) ->
     assert acc.token_ids == {0: [4]} and acc.texts == {0: "q"} and acc.restarts == 1
     sse = make_app(redis_url).test_client().get(f"/v1/jobs/{jid}/events").get_data(as_text=True)
     assert "event: restart" in sse and '"token_ids":[7,8]' not in sse
+
+
+def test_broken_batch_key_fails_nothing_but_its_line(bs: BatchStore, redis_url: str) -> None:
+    """A batch key of the wrong type: a job cancel still answers (its line is logged as lost);
+    a worker's final write that would append there is refused whole (nothing written), so the
+    worker can write the job without its line."""
+    bid = new_batch(bs, ["a", "b"])
+    bs.fan_out(bid)
+    ja, jb = bs.job_ids(bid)
+    bs.r.delete(bs.keys.batch_errors(bid))
+    bs.r.set(bs.keys.batch_errors(bid), "not a list")
+    resp = make_app(redis_url).test_client().delete(f"/v1/jobs/{ja}")
+    assert resp.status_code == 200 and resp.get_json()["status"] == "cancelled"
+    (lease,) = bs.jobs.claim("w", 5)
+    assert lease.job_id == jb and lease.batch is not None
+    step = bs.jobs.commit_step(finished=[Finish(lease, "failed", error="boom")])
+    assert [(e.job_id, e.finish is not None) for e in step.errors] == [(jb, True)]
+    assert "WRONGTYPE" in step.errors[0].message
+    assert bs.jobs.status(jb) == "running" and counts(bs, bid)["failed"] == 0
+    plain = dataclasses.replace(lease, batch=None)
+    assert bs.jobs.commit_step(finished=[Finish(plain, "failed", error="boom")]).errors == []
+    assert bs.jobs.get(jb).error == "boom"  # type: ignore[union-attr]
+
+
+def test_upload_expires_after(app: Flask, redis_url: str) -> None:
+    client = app.test_client()
+
+    def up(seconds: str) -> Any:
+        data = {
+            "purpose": "batch",
+            "expires_after[anchor]": "created_at",
+            "expires_after[seconds]": seconds,
+            "file": (io.BytesIO((line("a") + "\n").encode()), "in.jsonl"),
+        }
+        return client.post("/v1/files", data=data, content_type="multipart/form-data")
+
+    f = up("3600").get_json()
+    assert f["expires_at"] == f["created_at"] + 3600
+    assert 0 < JobStore(redis_url).r.ttl(JobStore(redis_url).keys.file(f["id"])) <= 3600
+    assert up("59").status_code == 400 and up("soon").status_code == 400
