@@ -127,3 +127,28 @@ def test_follower_of_a_reclaimed_job_sees_its_result_exactly(
     assert acc.token_ids == {0: rec.result.completions[0].token_ids}
     assert acc.texts == {0: rec.result.completions[0].text} and acc.restarts == 1
     assert len(rec.result.completions[0].token_ids) == 240
+
+
+def test_job_state_replay_resends_everything_after_a_restart(redis_url: str) -> None:
+    """A job re-delivered to the worker that still runs it (it reclaimed its own entry) gets a
+    restart event from the lease; the worker then sends all it has so far again, so that a
+    follower that started over ends with the whole text."""
+    from worker.outputs import CompletionOutput
+    from worker.service import JobState
+
+    client = Client(redis_url)
+    store = client.store
+    jid = client.submit("p", SHORT)
+    (first,) = store.claim("w", 1)
+    st = JobState(first, 0.0, 4)
+    st.absorb(CompletionOutput(index=0, new_token_ids=[1, 2], text_delta="ab"))
+    assert store.commit_step(progress=st.take_progress()).lost == []
+    st.absorb(CompletionOutput(index=0, new_token_ids=[3], text_delta="c"))  # not sent yet
+    (again,) = store.reclaim("w", 0, 1)
+    assert again.deliveries == 2
+    st.lease = again
+    st.replay()
+    assert store.commit_step(progress=st.take_progress()).lost == []
+    events = [DeltaEvent.from_stream(i, f) for i, f in store.r.xrange(store.keys.events(jid))]
+    acc = accumulate(events)
+    assert acc.restarts == 1 and acc.token_ids == {0: [1, 2, 3]} and acc.texts == {0: "abc"}

@@ -121,6 +121,13 @@ class JobState:
             self.texts.setdefault(i, []).append(comp.text_delta)
             self.pending_text[i] = self.pending_text.get(i, "") + comp.text_delta
 
+    def replay(self) -> None:
+        """Make everything generated so far pending again (after a ``restart`` event told
+        followers to discard what they had, while this run goes on)."""
+        self.pending_text = {i: "".join(t) for i, t in self.texts.items()}
+        self.pending_ids = {i: list(ids) for i, ids in self.token_ids.items()}
+        self.flushed_once = False
+
     def take_progress(self) -> list[Progress]:
         idx = sorted(set(self.pending_text) | set(self.pending_ids))
         total = self.tokens
@@ -285,7 +292,10 @@ class Worker:
     def _admit_one(self, lease: Lease, created_at: float) -> None:
         req = lease.request
         if lease.job_id in self.jobs:  # re-delivered to us while still running (own pending)
-            self.jobs[lease.job_id].lease = lease
+            st = self.jobs[lease.job_id]
+            st.lease = lease
+            if lease.deliveries > 1:
+                st.replay()  # the lease started its events over: send what it has so far again
             return
         if req.model is not None and req.model != self.engine.model_name:
             # One consumer group serves one model: a job for another model is an input error.
