@@ -857,7 +857,8 @@ class BatchStore:
     def expire(self, now: int | None = None) -> list[str]:
         """Expire batches past ``expires_at``: cancel their jobs, keep their partial output; every
         request without a line yet (queued or running) gets a ``batch_expired`` error line. Each
-        batch is handled apart (an error in one is logged; the others go on)."""
+        batch is handled apart: an error in one counts as a failed finalize try (see
+        :meth:`finalize_ready`); the others go on."""
         now = self._now() if now is None else now
         expired = []
         for bid in self.active():
@@ -868,6 +869,7 @@ class BatchStore:
                 raise
             except Exception as e:
                 log.warning("batch %s: expiring failed: %s", bid, e)
+                self._finalize_failed(bid, e)  # counted with finalize's tries: failed in the end
         return expired
 
     def _expire_one(self, bid: str, now: int) -> bool:

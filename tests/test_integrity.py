@@ -196,6 +196,22 @@ def test_one_broken_batch_never_blocks_another(bs: BatchStore) -> None:
     assert bs.active() == []
 
 
+def test_a_batch_that_cannot_expire_fails_in_the_end(bs: BatchStore) -> None:
+    late, other = new_batch(bs, ["a"], completion_window="1h"), new_batch(bs, ["b"])
+    for bid in (late, other):
+        bs.fan_out(bid)
+    bs.r.delete(bs.keys.batch_errors(late))
+    bs.r.set(bs.keys.batch_errors(late), "not a list")
+    b = bs.get(late)
+    assert b is not None
+    bs.finalize_backoff_s = 0.0
+    for _ in range(bs.finalize_attempts):
+        assert bs.expire(now=b.expires_at) == []
+    failed = bs.get(late)
+    assert failed is not None and failed.status == "failed"
+    assert bs.active() == [other] and bs.get(other).status == "in_progress"  # type: ignore[union-attr]
+
+
 def test_cancel_during_fan_out_cancels_every_job(
     bs: BatchStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
