@@ -33,7 +33,7 @@ def run(num_seqs: int, context: int, steps: int, block_size: int) -> dict[str, f
         prompt = [rng.randrange(32000) for _ in range(context)]
         sched.add_sequence(f"r{i}", prompt, StopConditions(max_tokens=steps + 100, ignore_eos=True))
     # Prefill everything first (not timed): the figure of interest is the steady decode step.
-    while sched.num_waiting or any(s.num_output_tokens == 0 for s in sched.seqs.values()):
+    while sched.num_waiting or any(s.num_output_tokens == 0 for s in sched.running):
         out = sched.schedule()
         sched.postprocess([(s.seq_id, 7) for s in out.scheduled if s.sample])
     times = []

@@ -18,6 +18,9 @@ LATENCY_BUCKETS: tuple[float, ...] = (
     0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0,
 )  # fmt: skip
 
+#: The heartbeat's block-state characters (``PoolSnapshot.block_states``): the wire format. The
+#: engine's own codes are ``scheduler.block_pool.BlockState``; the two packages may not import each
+#: other, so ``worker.engine`` maps one onto the other, by name, in a single table.
 BLOCK_FREE, BLOCK_IN_USE, BLOCK_CACHED, BLOCK_SHARED = "0", "1", "2", "3"
 
 

@@ -10,6 +10,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from enum import IntEnum
 
 BlockHash = bytes
 
@@ -31,6 +32,22 @@ def hash_block(
         h.update(b"\x00salt\x00")
         h.update(extra.encode())
     return h.digest()
+
+
+class BlockState(IntEnum):
+    """The state of one block in ``PoolOccupancy.block_states`` (one byte per block).
+
+    This is the only definition of the codes inside the engine. The heartbeat's wire format has
+    its own characters (``pagedserve.telemetry.BLOCK_*``): ``scheduler/`` may import only the
+    standard library and ``pagedserve/`` may not import ``scheduler/``, so neither package can
+    use the other's names. ``worker.engine`` translates these codes into the wire characters, by
+    name, in one table at the boundary.
+    """
+
+    FREE = 0  # reference count 0, no reusable prefix
+    IN_USE = 1  # reference count 1
+    CACHED = 2  # reference count 0 but holding a reusable prefix (evictable)
+    SHARED = 3  # reference count >= 2
 
 
 @dataclass(slots=True)
@@ -57,15 +74,12 @@ class PoolOccupancy:
     shared: int  # reference count >= 2
     tokens_stored: int = 0
     fragmentation_slots: int = 0  # allocated slots not holding a token
-    block_states: bytes = b""  # one byte per block: 0 free, 1 in use, 2 cached, 3 shared
+    block_states: bytes = b""  # one BlockState byte per block, in block-id order
     block_tables: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def usage(self) -> float:
         return self.in_use / self.num_blocks if self.num_blocks else 0.0
-
-
-FREE, IN_USE, CACHED, SHARED = 0, 1, 2, 3
 
 
 class BlockPool:
@@ -101,6 +115,14 @@ class BlockPool:
     @property
     def num_cached_evictable(self) -> int:
         return sum(1 for b in self._free if self._hash_of[b] is not None)
+
+    def record_lookup(self, num_tokens: int, num_hit_blocks: int) -> None:
+        """Count one prefix lookup: a sequence of ``num_tokens`` found ``num_hit_blocks`` cached."""
+        st = self.stats
+        st.queried_tokens += num_tokens
+        st.hit_tokens += num_hit_blocks * self.block_size
+        st.queried_blocks += num_tokens // self.block_size
+        st.hit_blocks += num_hit_blocks
 
     def lookup(self, block_hash: BlockHash, tokens: list[int]) -> int | None:
         """The cached block holding exactly ``tokens`` under ``block_hash``, or None."""
@@ -164,18 +186,19 @@ class BlockPool:
 
     # --------------------------------------------------------------- snapshot
     def occupancy(self) -> PoolOccupancy:
-        states = bytearray(self.num_blocks)
+        states = bytearray([BlockState.FREE]) * self.num_blocks
+        s_shared, s_in_use, s_cached = BlockState.SHARED, BlockState.IN_USE, BlockState.CACHED
         in_use = shared = cached = 0
         for b, ref in enumerate(self.ref_counts):
             if ref >= 2:
-                states[b] = SHARED
+                states[b] = s_shared
                 shared += 1
                 in_use += 1
             elif ref == 1:
-                states[b] = IN_USE
+                states[b] = s_in_use
                 in_use += 1
             elif self._hash_of[b] is not None:
-                states[b] = CACHED
+                states[b] = s_cached
                 cached += 1
         return PoolOccupancy(
             num_blocks=self.num_blocks,

@@ -1,8 +1,10 @@
-"""What the scheduler hands the model runner each step: its only input."""
+"""What the scheduler hands the model runner each step (its only input) and postprocess returns."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from scheduler.sequence import FinishReason, Sequence
 
 
 @dataclass(slots=True)
@@ -38,3 +40,12 @@ class SchedulerOutput:
     released_seq_ids: list[int] = field(default_factory=list)
     preempted_seq_ids: list[int] = field(default_factory=list)
     num_batched_tokens: int = 0
+
+
+@dataclass(slots=True)
+class TokenUpdate:
+    """What postprocess did with one sampled token."""
+
+    seq: Sequence
+    token_id: int
+    finish_reason: FinishReason | None

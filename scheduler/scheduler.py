@@ -13,10 +13,12 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import replace
 
-from scheduler.block_pool import BlockPool, PoolOccupancy
-from scheduler.output import ScheduledSequence, SchedulerOutput
+from scheduler.block_pool import BlockPool, PoolOccupancy, PrefixCacheStats
+from scheduler.config import SchedulerConfig, SchedulerStats, SequenceRejected
+from scheduler.kv_cache_manager import KVCacheManager, ceil_div
+from scheduler.output import SchedulerOutput, TokenUpdate
 from scheduler.sequence import (
     FinishReason,
     Priority,
@@ -26,51 +28,12 @@ from scheduler.sequence import (
 )
 
 
-class SequenceRejected(ValueError):
-    """A request that can never run (e.g. its prompt cannot fit in the whole pool)."""
-
-
-@dataclass(slots=True)
-class SchedulerConfig:
-    num_blocks: int
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
-    # Blocks kept free when admitting new work, so running sequences can grow without
-    # immediately preempting each other.
-    watermark: float = 0.01
-
-    def __post_init__(self) -> None:
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
-
-
-@dataclass(slots=True)
-class TokenUpdate:
-    """What postprocess did with one sampled token."""
-
-    seq: Sequence
-    token_id: int
-    finish_reason: FinishReason | None
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    num_preemptions: int = 0
-    num_steps: int = 0
-    num_batched_tokens_total: int = 0
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.block_size = config.block_size
         self.pool = BlockPool(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool)
         self.running: list[Sequence] = []  # sorted by Sequence.sort_key
         self.waiting: dict[int, deque[Sequence]] = {}
         self.seqs: dict[int, Sequence] = {}
@@ -81,9 +44,9 @@ class Scheduler:
         self._arrivals = 0
         self._released: list[int] = []
         self._preempted: list[int] = []
-        # Sequences schedule() itself had to end (one that outgrew the whole pool); the engine
-        # drains this list after each step to report them.
-        self.finished_in_schedule: list[Sequence] = []
+        # Sequences schedule() itself had to end (one that outgrew the whole pool), until
+        # take_finished() hands them over.
+        self._finished: list[Sequence] = []
 
     # ---------------------------------------------------------------- requests
     @property
@@ -96,6 +59,36 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.running) or self.num_waiting > 0
+
+    def get_sequence(self, seq_id: int) -> Sequence | None:
+        """The live (waiting or running) sequence ``seq_id``; None once it finished."""
+        return self.seqs.get(seq_id)
+
+    def take_finished(self) -> list[Sequence]:
+        """The sequences schedule() ended itself since the last call (they outgrew the pool).
+
+        Sequences finished by postprocess, ``finish`` or ``abort`` are reported there instead.
+        """
+        finished, self._finished = self._finished, []
+        return finished
+
+    def admission_capacity(self) -> int:
+        """How many more sequences to admit now without overcommitting the KV pool.
+
+        A sequence is counted as needing as many blocks as the running ones hold on average (at
+        least one); sequences already waiting count against the seats.
+        """
+        seats = self.config.max_num_seqs - self.num_running - self.num_waiting
+        if seats <= 0:
+            return 0
+        free = self.pool.num_free
+        used = self.pool.num_blocks - free
+        per_seq = max(1, used // self.num_running) if self.num_running else 1
+        return max(0, min(seats, free // per_seq - self.num_waiting))
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """A copy of the prefix cache's cumulative lookup counters."""
+        return replace(self.pool.stats)
 
     def add_sequence(
         self,
@@ -116,7 +109,7 @@ class Scheduler:
                 f"length of {max_model_len} tokens"
             )
         capacity = self.pool.num_blocks * self.block_size
-        if _ceil_div(n + 1, self.block_size) > self.pool.num_blocks:
+        if ceil_div(n + 1, self.block_size) > self.pool.num_blocks:
             raise SequenceRejected(
                 f"prompt of {n} tokens can never fit in the KV cache, which holds {capacity} tokens"
             )
@@ -192,8 +185,7 @@ class Scheduler:
             self._released.append(seq.seq_id)
         else:
             self.waiting[seq.priority].remove(seq)
-        self.pool.release_table(seq.block_table)
-        seq.block_table = []
+        self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self.seqs[seq.seq_id]
@@ -221,6 +213,8 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> bool:
         running = self.running
         scheduled = out.scheduled
+        kv = self.kv
+        emit = kv.emit
         refs = self.pool.ref_counts
         mask = self.block_size - 1
         shift = self.block_size.bit_length() - 1
@@ -231,57 +225,50 @@ class Scheduler:
             seq = running[i]
             start = seq.num_computed
             n = len(seq.token_ids) - start
-            if n == 1 and start & mask and (start + 1) & mask:
-                # Hot path: one decode token landing inside an unshared, already allocated block,
-                # not completing it (so no allocation, copy or cache registration to do).
-                table = seq.block_table
-                block = table[start >> shift]
-                if refs[block] == 1:
-                    offset = seq.synced_blocks
-                    new_blocks = table[offset:] if offset < len(table) else []
-                    seq.synced_blocks = len(table)
-                    seq.num_computed = start + 1
-                    scheduled.append(
-                        ScheduledSequence(
-                            seq.seq_id,
-                            seq.request_id,
-                            seq.token_ids[start:],
-                            start,
-                            offset,
-                            new_blocks,
-                            [(block << shift) | (start & mask)],
-                            True,
-                        )
-                    )
-                    budget -= 1
-                    i += 1
-                    continue
+            if (
+                n == 1
+                and start & mask
+                and (start + 1) & mask
+                and refs[seq.block_table[start >> shift]] == 1
+            ):
+                # Hot path: one decode token landing inside an unshared, allocated block without
+                # completing it, so there is no block to grow, copy or register.
+                scheduled.append(emit(seq, 1))
+                budget -= 1
+                i += 1
+                continue
             if n > budget:
                 n = budget
             if n <= 0:  # its last token is still waiting for postprocess
                 i += 1
                 continue
-            while not self._grow(seq, n, out.block_copies):
+            grew = kv.grow(seq, n, out.block_copies)
+            if not grew:
                 preempted = True
-                if len(running) == 1:
-                    # Alone and still out of blocks: the pool cannot hold this sequence at all.
-                    self.finish(seq, FinishReason.LENGTH)
-                    self.finished_in_schedule.append(seq)
-                    break
-                victim = running[-1]
-                self._preempt(victim)
-                if victim is seq:
-                    break
-            else:
-                scheduled.append(self._emit(seq, n))
+                grew = self._preempt_until_grown(seq, n, out.block_copies)
+            if grew:
+                scheduled.append(emit(seq, n))
                 budget -= n
                 i += 1
-                continue
-            if seq.status is not SequenceStatus.RUNNING:
-                # seq itself left the running list; the next one now sits at index i
-                continue
+            # otherwise seq itself left the running list; the next one now sits at index i
         out.num_batched_tokens += start_budget - budget
         return preempted
+
+    def _preempt_until_grown(self, seq: Sequence, n: int, copies: list[tuple[int, int]]) -> bool:
+        """Preempt from the back until ``seq`` can grow by ``n`` tokens; False if seq left."""
+        running = self.running
+        while True:
+            if len(running) == 1:
+                # Alone and still out of blocks: the pool cannot hold this sequence at all.
+                self.finish(seq, FinishReason.LENGTH)
+                self._finished.append(seq)
+                return False
+            victim = running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+            if self.kv.grow(seq, n, copies):
+                return True
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         pool = self.pool
@@ -290,39 +277,26 @@ class Scheduler:
             seq = self._peek_waiting()
             if seq is None:
                 break
-            hits = self._prefix_hits(seq)
+            hits = self.kv.prefix_hits(seq)
             n_cached = len(hits) * bs
             n = min(seq.num_tokens - n_cached, budget)
-            new_blocks = _ceil_div(n_cached + n, bs) - len(hits)
+            new_blocks = ceil_div(n_cached + n, bs) - len(hits)
             hits_free = sum(1 for b in hits if pool.ref_counts[b] == 0)
             if pool.num_free - hits_free - new_blocks < self._watermark_blocks and self.running:
                 break
             if pool.num_free - hits_free < new_blocks:
-                if not self.running and _ceil_div(seq.num_tokens, bs) > pool.num_blocks:
+                if not self.running and ceil_div(seq.num_tokens, bs) > pool.num_blocks:
                     # Its tokens (prompt plus what it generated before a preemption) outgrew
                     # the whole pool: it can never run again.
                     self.finish(seq, FinishReason.LENGTH)
-                    self.finished_in_schedule.append(seq)
+                    self._finished.append(seq)
                     continue
                 break
             self.waiting[seq.priority].popleft()
-            for b in hits:
-                pool.acquire(b)
-            pool.stats.queried_tokens += seq.num_tokens
-            pool.stats.hit_tokens += n_cached
-            pool.stats.queried_blocks += seq.num_tokens // bs
-            pool.stats.hit_blocks += len(hits)
-            seq.num_registered = len(hits)
-            seq.block_table = hits
-            seq.block_table.extend(pool.allocate_many(new_blocks) or [])
-            seq.num_computed = n_cached
-            seq.synced_blocks = 0
-            if not seq.admitted_once:
-                seq.num_cached_tokens = n_cached
-                seq.admitted_once = True
+            self.kv.admit(seq, hits, new_blocks)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.sort_key)
-            out.scheduled.append(self._emit(seq, n))
+            out.scheduled.append(self.kv.emit(seq, n))
             out.num_batched_tokens += n
             budget -= n
 
@@ -334,77 +308,15 @@ class Scheduler:
             if head is None or head.priority >= victim.priority:
                 return
             first_chunk = min(head.num_tokens, budget)
-            needed = _ceil_div(first_chunk, self.block_size) + self._watermark_blocks
+            needed = ceil_div(first_chunk, self.block_size) + self._watermark_blocks
             seats = len(self.running) < self.config.max_num_seqs
             if seats and self.pool.num_free >= needed:
                 return
             self._preempt(victim)
 
-    def _grow(self, seq: Sequence, n: int, copies: list[tuple[int, int]]) -> bool:
-        """Give ``seq`` the blocks to hold ``n`` more tokens (copy-on-write included), or say no."""
-        pool = self.pool
-        bs = self.block_size
-        table = seq.block_table
-        start = seq.num_computed
-        need = _ceil_div(start + n, bs) - len(table)
-        idx = start // bs
-        cow = idx < len(table) and pool.ref_counts[table[idx]] > 1
-        if need + cow > pool.num_free:
-            return False
-        if cow:
-            src = table[idx]
-            dst = pool.allocate()
-            assert dst is not None
-            pool.release(src)
-            table[idx] = dst
-            copies.append((src, dst))
-            if seq.synced_blocks > idx:
-                seq.synced_blocks = idx
-        for _ in range(need):
-            table.append(pool.allocate())  # type: ignore[arg-type]
-        return True
-
-    def _emit(self, seq: Sequence, n: int) -> ScheduledSequence:
-        bs = self.block_size
-        table = seq.block_table
-        start = seq.num_computed
-        end = start + n
-        if n == 1:
-            slots = [table[start // bs] * bs + start % bs]
-        else:
-            slots = []
-            pos = start
-            while pos < end:
-                block_end = min(end, (pos // bs + 1) * bs)
-                base = table[pos // bs] * bs - (pos // bs) * bs
-                slots.extend(range(base + pos, base + block_end))
-                pos = block_end
-        offset = seq.synced_blocks
-        new_blocks = table[offset:] if offset < len(table) else []
-        seq.synced_blocks = len(table)
-        seq.num_computed = end
-        full = end // bs
-        if full > seq.num_registered and self.pool.enable_prefix_caching:
-            hashes = seq.full_block_hashes(full, bs)
-            tokens = seq.token_ids
-            for j in range(seq.num_registered, full):
-                self.pool.register(table[j], hashes[j], tokens[j * bs : (j + 1) * bs])
-            seq.num_registered = full
-        return ScheduledSequence(
-            seq.seq_id,
-            seq.request_id,
-            seq.token_ids[start:end],
-            start,
-            offset,
-            new_blocks,
-            slots,
-            end == len(seq.token_ids),
-        )
-
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.pool.release_table(seq.block_table)
-        seq.block_table = []
+        self.kv.free(seq)
         seq.num_computed = 0
         seq.num_registered = 0
         seq.synced_blocks = 0
@@ -420,24 +332,6 @@ class Scheduler:
             if q:
                 return q[0]
         return None
-
-    def _prefix_hits(self, seq: Sequence) -> list[int]:
-        """Cached blocks for the longest cached prefix of ``seq``; its last token is never a hit."""
-        if not self.pool.enable_prefix_caching:
-            return []
-        bs = self.block_size
-        max_blocks = (seq.num_tokens - 1) // bs
-        if max_blocks == 0:
-            return []
-        hashes = seq.full_block_hashes(max_blocks, bs)
-        tokens = seq.token_ids
-        hits: list[int] = []
-        for i in range(max_blocks):
-            block = self.pool.lookup(hashes[i], tokens[i * bs : (i + 1) * bs])
-            if block is None:
-                break
-            hits.append(block)
-        return hits
 
     # ------------------------------------------------------------ postprocess
     def postprocess(self, sampled: Iterable[tuple[int, int]]) -> list[TokenUpdate]:
@@ -466,22 +360,8 @@ class Scheduler:
 
     # -------------------------------------------------------------- snapshots
     def occupancy(self, with_tables: bool = False) -> PoolOccupancy:
-        occ = self.pool.occupancy()
-        bs = self.block_size
-        fill: dict[int, int] = {}
-        for seq in self.running:
-            computed = seq.num_computed
-            for j, block in enumerate(seq.block_table):
-                f = min(bs, max(0, computed - j * bs))
-                if f > fill.get(block, -1):
-                    fill[block] = f
-        occ.tokens_stored = sum(fill.values())
-        occ.fragmentation_slots = occ.in_use * bs - occ.tokens_stored
-        if with_tables:
-            occ.block_tables = {
-                f"{s.request_id}/{s.seq_id}": list(s.block_table) for s in self.running
-            }
-        return occ
+        """A typed snapshot of the pool; ``with_tables`` adds every running block table."""
+        return self.kv.occupancy(self.running, with_tables)
 
     def _new_seq_id(self) -> int:
         self._next_seq_id += 1

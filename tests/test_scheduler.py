@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.block_pool import CACHED, FREE, IN_USE, SHARED, BlockPool, hash_block
+from scheduler.block_pool import BlockPool, BlockState, hash_block
 from scheduler.scheduler import Scheduler, SchedulerConfig, SequenceRejected
 from scheduler.sequence import FinishReason, Priority, SequenceStatus, StopConditions
 
@@ -173,12 +173,13 @@ def test_occupancy_counts_tokens_and_fragmentation() -> None:
     run_step(s)
     occ = s.occupancy(with_tables=True)
     assert occ.in_use == 2 and occ.tokens_stored == 5 and occ.fragmentation_slots == 3
-    assert occ.free == 6 and occ.block_states.count(bytes([IN_USE])) == 2
+    assert occ.free == 6 and occ.block_states.count(bytes([BlockState.IN_USE])) == 2
     assert list(occ.block_tables.values()) == [s.running[0].block_table]
     s.abort("a")
     occ = s.occupancy()
     assert occ.in_use == 0 and occ.cached_evictable == 1  # the one full block stays cached
-    assert set(occ.block_states) <= {FREE, CACHED} and SHARED not in occ.block_states
+    assert set(occ.block_states) <= {BlockState.FREE, BlockState.CACHED}
+    assert BlockState.SHARED not in occ.block_states
 
 
 # ------------------------------------------------------------ preemption
@@ -224,7 +225,7 @@ def test_lone_sequence_that_outgrows_the_pool_finishes_with_length() -> None:
     for _ in range(4):
         run_step(s)
     assert a.status is SequenceStatus.FINISHED and a.finish_reason is FinishReason.LENGTH
-    assert s.finished_in_schedule == [a]
+    assert s.take_finished() == [a] and s.take_finished() == []
     assert s.pool.num_free == 2
 
 

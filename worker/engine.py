@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from pagedserve.params import SamplingParams
-from scheduler.block_pool import PoolOccupancy
+from pagedserve.telemetry import BLOCK_CACHED, BLOCK_FREE, BLOCK_IN_USE, BLOCK_SHARED
+from scheduler.block_pool import BlockState, PoolOccupancy
 from scheduler.output import SchedulerOutput
 from scheduler.scheduler import Scheduler, SchedulerConfig, SequenceRejected, TokenUpdate
 from scheduler.sequence import FinishReason, Priority, Sequence, StopConditions
@@ -34,6 +35,13 @@ from worker.sampler import Sampler, SampleRow
 log = logging.getLogger(__name__)
 
 _PRIORITIES = {"interactive": Priority.INTERACTIVE, "bulk": Priority.BULK}
+
+# The scheduler's block-state bytes -> the heartbeat's block-state characters. The two packages may
+# not import each other, so this table, matched by name, is the one place the codes meet.
+_WIRE_BLOCK_STATES = bytes.maketrans(
+    bytes([BlockState.FREE, BlockState.IN_USE, BlockState.CACHED, BlockState.SHARED]),
+    (BLOCK_FREE + BLOCK_IN_USE + BLOCK_CACHED + BLOCK_SHARED).encode("ascii"),
+)
 
 
 @dataclass(slots=True)
@@ -236,13 +244,7 @@ class Engine:
         A request is counted as needing as many blocks as the running ones hold on average (at
         least one); requests already waiting count against the seats.
         """
-        s = self.scheduler
-        seats = self.config.max_num_seqs - s.num_running - s.num_waiting
-        if seats <= 0:
-            return 0
-        used = s.pool.num_blocks - s.pool.num_free
-        per_request = max(1, used // s.num_running) if s.num_running else 1
-        return max(0, min(seats, s.pool.num_free // per_request - s.num_waiting))
+        return self.scheduler.admission_capacity()
 
     # --------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
@@ -253,9 +255,8 @@ class Engine:
             pairs = self._sample(out, logits, changed)
             for upd in self.scheduler.postprocess(pairs):
                 self._on_token(upd, changed)
-        for seq in self.scheduler.finished_in_schedule:
+        for seq in self.scheduler.take_finished():
             self._on_finished_elsewhere(seq, changed)
-        self.scheduler.finished_in_schedule.clear()
         self._account(out)
         return [self._output(r) for r in changed.values()]
 
@@ -270,7 +271,8 @@ class Engine:
             req, comp = self._by_seq[s.seq_id]
             fork = req.params.n > 1 and not req.forked
             comps = req.completions if fork else [comp]
-            seq = self.scheduler.seqs[s.seq_id]
+            seq = self.scheduler.get_sequence(s.seq_id)
+            assert seq is not None  # scheduled this step, so still live
             rows.append(
                 SampleRow(
                     req.params,
@@ -301,7 +303,7 @@ class Engine:
                 pairs.append((c.seq_id, t))  # type: ignore[arg-type]
             if req.first_token_at is None:
                 req.first_token_at = time.monotonic()
-                seq = self.scheduler.seqs.get(comp.seq_id)  # type: ignore[arg-type]
+                seq = self.scheduler.get_sequence(comp.seq_id)  # type: ignore[arg-type]
                 req.num_cached_tokens = seq.num_cached_tokens if seq else 0
             changed[req.request_id] = req
         return pairs
@@ -387,7 +389,7 @@ class Engine:
         st.running = s.num_running
         st.waiting = s.num_waiting
         st.preemptions = s.stats.num_preemptions
-        ps = s.pool.stats
+        ps = s.prefix_cache_stats()
         st.prefix_cache = {
             "queried_tokens": ps.queried_tokens,
             "hit_tokens": ps.hit_tokens,
@@ -423,7 +425,7 @@ class Engine:
                 "tokens_stored": occ.tokens_stored,
                 "fragmentation_slots": occ.fragmentation_slots,
                 "usage": occ.usage,
-                "block_states": "".join("0123"[b] for b in occ.block_states),
+                "block_states": occ.block_states.translate(_WIRE_BLOCK_STATES).decode("ascii"),
             },
         }
 

@@ -1,0 +1,162 @@
+"""Per-sequence block tables over the pool: prefix lookup, growth, slot mapping, registration.
+
+The scheduler decides *which* sequences run and how many tokens each computes; this module does
+what that means for their block tables. ``emit`` is the one place a sequence's progress
+(``num_computed``) and the runner's view of its table (``synced_blocks``) move forward, for a
+prefill chunk and a decode token alike.
+"""
+
+from __future__ import annotations
+
+from scheduler.block_pool import BlockPool, PoolOccupancy
+from scheduler.output import ScheduledSequence
+from scheduler.sequence import Sequence
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+        self.block_size = bs = pool.block_size
+        self._mask = bs - 1
+        self._shift = bs.bit_length() - 1  # block_size is a power of two (BlockPool checks)
+        self._caching = pool.enable_prefix_caching
+
+    def prefix_hits(self, seq: Sequence) -> list[int]:
+        """Cached blocks for the longest cached prefix of ``seq``; its last token is never a hit."""
+        if not self._caching:
+            return []
+        bs = self.block_size
+        max_blocks = (seq.num_tokens - 1) // bs
+        if max_blocks == 0:
+            return []
+        hashes = seq.full_block_hashes(max_blocks, bs)
+        tokens = seq.token_ids
+        hits: list[int] = []
+        for i in range(max_blocks):
+            block = self.pool.lookup(hashes[i], tokens[i * bs : (i + 1) * bs])
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def admit(self, seq: Sequence, hits: list[int], num_new_blocks: int) -> None:
+        """Give a waiting sequence its cached prefix blocks plus ``num_new_blocks`` fresh ones.
+
+        The caller has checked that the pool holds enough free blocks.
+        """
+        pool = self.pool
+        for b in hits:
+            pool.acquire(b)
+        pool.record_lookup(seq.num_tokens, len(hits))
+        n_cached = len(hits) * self.block_size
+        seq.num_registered = len(hits)
+        seq.block_table = hits
+        seq.block_table.extend(pool.allocate_many(num_new_blocks) or [])
+        seq.num_computed = n_cached
+        seq.synced_blocks = 0
+        if not seq.admitted_once:
+            seq.num_cached_tokens = n_cached
+            seq.admitted_once = True
+
+    def grow(self, seq: Sequence, n: int, copies: list[tuple[int, int]]) -> bool:
+        """Give ``seq`` the blocks to hold ``n`` more tokens (copy-on-write included), or say no."""
+        pool = self.pool
+        table = seq.block_table
+        start = seq.num_computed
+        need = ceil_div(start + n, self.block_size) - len(table)
+        idx = start >> self._shift
+        cow = idx < len(table) and pool.ref_counts[table[idx]] > 1
+        if need + cow > pool.num_free:
+            return False
+        if cow:
+            src = table[idx]
+            dst = pool.allocate()
+            assert dst is not None
+            pool.release(src)
+            table[idx] = dst
+            copies.append((src, dst))
+            if seq.synced_blocks > idx:
+                seq.synced_blocks = idx
+        for _ in range(need):
+            table.append(pool.allocate())  # type: ignore[arg-type]
+        return True
+
+    def emit(self, seq: Sequence, n: int) -> ScheduledSequence:
+        """Schedule the next ``n`` tokens of ``seq`` into blocks it already holds.
+
+        This runs once per scheduled sequence per step (the decode hot path included), so it
+        reads each attribute once and keeps the one-token case branch-light.
+        """
+        table = seq.block_table
+        start = seq.num_computed
+        end = start + n
+        shift = self._shift
+        if n == 1:
+            slots = [(table[start >> shift] << shift) | (start & self._mask)]
+        else:
+            slots = self._slots(table, start, end)
+        offset = seq.synced_blocks
+        num_table = len(table)
+        new_blocks = table[offset:] if offset < num_table else []
+        seq.synced_blocks = num_table
+        seq.num_computed = end
+        if self._caching and end >> shift > seq.num_registered:
+            self._register(seq, end >> shift)
+        tokens = seq.token_ids
+        return ScheduledSequence(
+            seq.seq_id,
+            seq.request_id,
+            tokens[start:end],
+            start,
+            offset,
+            new_blocks,
+            slots,
+            end == len(tokens),
+        )
+
+    def _slots(self, table: list[int], start: int, end: int) -> list[int]:
+        bs = self.block_size
+        slots: list[int] = []
+        pos = start
+        while pos < end:
+            block_end = min(end, (pos // bs + 1) * bs)
+            base = table[pos // bs] * bs - (pos // bs) * bs
+            slots.extend(range(base + pos, base + block_end))
+            pos = block_end
+        return slots
+
+    def _register(self, seq: Sequence, full: int) -> None:
+        """Offer the newly completed full blocks of ``seq`` to the prefix cache."""
+        bs = self.block_size
+        hashes = seq.full_block_hashes(full, bs)
+        tokens = seq.token_ids
+        table = seq.block_table
+        for j in range(seq.num_registered, full):
+            self.pool.register(table[j], hashes[j], tokens[j * bs : (j + 1) * bs])
+        seq.num_registered = full
+
+    def free(self, seq: Sequence) -> None:
+        """Drop every block of ``seq`` (their prefixes stay cached until evicted)."""
+        self.pool.release_table(seq.block_table)
+        seq.block_table = []
+
+    def occupancy(self, running: list[Sequence], with_tables: bool = False) -> PoolOccupancy:
+        """The pool snapshot plus the token fill of the blocks the running sequences hold."""
+        occ = self.pool.occupancy()
+        bs = self.block_size
+        fill: dict[int, int] = {}
+        for seq in running:
+            computed = seq.num_computed
+            for j, block in enumerate(seq.block_table):
+                f = min(bs, max(0, computed - j * bs))
+                if f > fill.get(block, -1):
+                    fill[block] = f
+        occ.tokens_stored = sum(fill.values())
+        occ.fragmentation_slots = occ.in_use * bs - occ.tokens_stored
+        if with_tables:
+            occ.block_tables = {f"{s.request_id}/{s.seq_id}": list(s.block_table) for s in running}
+        return occ
