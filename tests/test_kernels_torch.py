@@ -145,12 +145,20 @@ def test_many_decodes_in_chunks(chunk_bytes: int, window: int | None) -> None:
 def test_plan_is_reused_across_layers_and_rebuilt_per_step() -> None:
     backend = TorchBackend()
     first = make_batch([1, 4], [20, 4], num_heads=4, num_kv_heads=2, head_dim=32, block_size=8)
-    for _ in range(2):  # two "layers" share the metadata object
-        run_and_compare(make_batch_like(first), backend=backend)
+    run_and_compare(make_batch_like(first), backend=backend)
+    plan = backend._plan
+    work = dict(plan.decode)  # the per-(window, dtype) work planned by the first layer
+    assert len(plan.decode_seqs) == 1 and len(plan.prefill) == 1 and len(work) == 1
+    run_and_compare(make_batch_like(first), backend=backend)  # a second layer, same metadata
+    assert backend._plan is plan, "a later layer of the same step must reuse the plan"
+    assert all(plan.decode[k] is w for k, w in work.items()) and plan.decode.keys() == work.keys()
     second = make_batch(
         [1, 1, 3], [9, 40, 12], num_heads=4, num_kv_heads=2, head_dim=32, block_size=8, seed=3
     )
-    run_and_compare(second, backend=backend)
+    run_and_compare(second, backend=backend)  # the next step: new metadata
+    assert backend._plan is not plan, "a new step must build a new plan"
+    assert len(backend._plan.decode_seqs) == 2 and len(backend._plan.prefill) == 1
+    assert len(plan.decode_seqs) == 1, "the old plan is left as it was, not edited in place"
 
 
 def make_batch_like(batch: PagedBatch) -> PagedBatch:
