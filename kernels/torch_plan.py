@@ -1,0 +1,281 @@
+"""The CPU backend's per-step plan: everything that depends only on the step's metadata.
+
+Built once per forward pass and reused by every layer (see :mod:`kernels.torch_backend`): the
+decode rows and their chunks (gather indices, additive masks), each prefill chunk's mask, the rows
+for the C decode kernel. Shared-prefix grouping is planned in :mod:`kernels.torch_cascade`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels.metadata import AttentionMetadata
+from kernels.native import DecodeRows
+
+# Bytes of gathered K+V per decode chunk: small enough to stay in L2/L3 between the gather and
+# the attention that reads it, large enough to amortise per-op overhead.
+CHUNK_BYTES = 6 * 1024 * 1024
+
+
+@dataclass
+class DecodeRow:
+    first_block: int  # first block the query reads here (window start, or end of shared prefix)
+    num_blocks: int
+    seq_index: int
+    token_row: int
+    seq_len: int
+    shared_slot: int = -1  # row in the step's shared-prefix results, -1 when not in a group
+
+
+@dataclass
+class Merge:
+    """Rows of a decode chunk whose context starts with a shared prefix computed separately."""
+
+    local: torch.Tensor | None  # int64 [m]: rows of the chunk; None: all of them, in order
+    slots: torch.Tensor | slice  # rows of the step's shared-prefix results (a slice if a range)
+
+
+@dataclass
+class DecodeChunk:
+    """Decode tokens that read the same (padded) number of blocks."""
+
+    token_idx: torch.Tensor  # int64 [n]: rows of the flat batch
+    block_ids: torch.Tensor  # int64 [n * num_blocks]
+    num_blocks: int
+    mask: torch.Tensor | None  # additive 0/-inf [n, 1, 1, num_blocks * block_size], or None
+    merge: Merge | None = None
+
+
+@dataclass
+class SharedGroup:
+    """Query tokens (decodes, prefill chunks) of sequences whose block tables start with the
+    same ``num_blocks`` physical blocks, which every one of them sees whole."""
+
+    token_idx: torch.Tensor  # int64 [G]: rows of the flat batch
+    block_ids: torch.Tensor  # int64 [num_blocks]
+    first_id: int  # block_ids[0]
+    contiguous: bool  # block_ids == first_id + arange(num_blocks): read as a slice, no gather
+    num_blocks: int
+
+
+@dataclass
+class PrefillWork:
+    """How one prefill chunk runs this step (per window and dtype)."""
+
+    first_block: int  # first block read from the cache (after a shared prefix or the window)
+    mask: torch.Tensor | None  # additive 0/-inf [1, 1, q, L]; None: plain causal
+    slots: slice | None  # rows of the step's shared-prefix results, None when not shared
+
+
+@dataclass
+class NativeMerge:
+    """Decode rows whose context starts with a shared prefix computed separately."""
+
+    tokens: torch.Tensor  # int64 [m]: their rows of the flat batch (and of ``out``)
+    rows: torch.Tensor  # int64 [m]: their rows in the kernel's lse output
+    slots: torch.Tensor | slice  # their rows of the step's shared-prefix results
+
+
+@dataclass
+class NativeWork:
+    """Every decode row of the step for the C kernel, and the rows to merge with a prefix."""
+
+    rows: DecodeRows
+    block_tables: torch.Tensor  # int32, contiguous
+    merge: NativeMerge | None
+
+
+@dataclass
+class DecodePlan:
+    """A step's work for one (window, cache bytes per token, compute dtype)."""
+
+    shared: list[SharedGroup]
+    chunks: list[DecodeChunk]
+    prefill: list[PrefillWork]
+    native: NativeWork | None = None  # set instead of ``chunks`` when the C kernel runs
+
+
+@dataclass
+class Prefill:
+    """One sequence computing more than one token this step."""
+
+    start: int
+    query_len: int
+    seq_len: int
+    seq_index: int
+
+
+@dataclass
+class StepPlan:
+    prefill: list[Prefill] = field(default_factory=list)
+    decode_seqs: list[tuple[int, int]] = field(default_factory=list)  # (seq_index, token_row)
+    # the step's work per (sliding_window, bytes of K+V per token, compute dtype)
+    decode: dict[tuple[int | None, int, torch.dtype], DecodePlan] = field(default_factory=dict)
+    table_host: list[list[int]] | None = None  # the block table, read once per step
+
+
+def long_tensor(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=device)
+
+
+def slots_index(slots: list[int], device: torch.device) -> torch.Tensor | slice:
+    """Rows of the shared-prefix results: a slice when they are one range (the usual case)."""
+    if slots == list(range(slots[0], slots[-1] + 1)):
+        return slice(slots[0], slots[-1] + 1)
+    return long_tensor(slots, device)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def build_step_plan(meta: AttentionMetadata) -> StepPlan:
+    """Split the flat batch into decode tokens and prefill chunks (the part no layer changes)."""
+    plan = StepPlan()
+    start = 0
+    for b, (q_len, seq_len) in enumerate(
+        zip(meta.query_lens_host, meta.seq_lens_host, strict=True)
+    ):
+        if q_len == 1:
+            plan.decode_seqs.append((b, start))
+        elif q_len > 1:
+            plan.prefill.append(Prefill(start, q_len, seq_len, b))
+        start += q_len
+    return plan
+
+
+def decode_rows(
+    plan: StepPlan, meta: AttentionMetadata, block_size: int, window: int | None
+) -> list[DecodeRow]:
+    rows = []
+    for b, token_row in plan.decode_seqs:
+        seq_len = meta.seq_lens_host[b]
+        last_block = (seq_len - 1) // block_size
+        first = 0 if window is None else max(0, seq_len - window) // block_size
+        rows.append(DecodeRow(first, last_block - first + 1, b, token_row, seq_len))
+    return rows
+
+
+def chunk_rows(rows: list[DecodeRow], block_bytes: int, chunk_bytes: int) -> list[list[int]]:
+    """Greedy cut of rows (ascending block counts) into groups of about ``chunk_bytes``."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    for i, row in enumerate(rows):
+        padded = (len(current) + 1) * row.num_blocks * block_bytes
+        if current and padded > chunk_bytes:
+            groups.append(current)
+            current = []
+        current.append(i)
+    if current:
+        groups.append(current)
+    return groups
+
+
+def _chunk_mask(
+    sel: list[DecodeRow],
+    block_size: int,
+    window: int | None,
+    cdt: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """Additive mask (0 where allowed, -inf elsewhere), built once per step; None if unneeded."""
+    nb = sel[-1].num_blocks
+    length = nb * block_size
+    needs_mask = any(
+        length != r.seq_len - r.first_block * block_size
+        or (window is not None and r.seq_len - r.first_block * block_size > window)
+        for r in sel
+    )
+    if not needs_mask:
+        return None
+    first = torch.tensor([r.first_block for r in sel], dtype=torch.long, device=device)
+    last = torch.tensor([r.seq_len - 1 for r in sel], dtype=torch.long, device=device)
+    pos = first[:, None] * block_size + torch.arange(length, device=device)[None, :]
+    allowed = pos <= last[:, None]
+    if window is not None:
+        allowed &= pos > last[:, None] - window
+    mask = torch.zeros(allowed.shape, dtype=cdt, device=device)
+    mask.masked_fill_(~allowed, float("-inf"))
+    return mask[:, None, None, :]
+
+
+def make_chunk(
+    sel: list[DecodeRow],
+    table: torch.Tensor,
+    block_size: int,
+    window: int | None,
+    cdt: torch.dtype,
+) -> DecodeChunk:
+    device = table.device
+    nb = sel[-1].num_blocks
+    seq_idx = torch.tensor([r.seq_index for r in sel], dtype=torch.long, device=device)
+    first = torch.tensor([r.first_block for r in sel], dtype=torch.long, device=device)
+    cols = (first[:, None] + torch.arange(nb, device=device)[None, :]).clamp_(
+        max=table.shape[1] - 1
+    )
+    block_ids = table.index_select(0, seq_idx).gather(1, cols)
+    local = [i for i, r in enumerate(sel) if r.shared_slot >= 0]
+    merge = None
+    if local:
+        merge = Merge(
+            local=None if len(local) == len(sel) else long_tensor(local, device),
+            slots=slots_index([sel[i].shared_slot for i in local], device),
+        )
+    return DecodeChunk(
+        token_idx=torch.tensor([r.token_row for r in sel], dtype=torch.long, device=device),
+        block_ids=block_ids.reshape(-1).to(torch.long),
+        num_blocks=nb,
+        mask=_chunk_mask(sel, block_size, window, cdt, device),
+        merge=merge,
+    )
+
+
+def prefill_work(
+    pre: Prefill,
+    shared: tuple[int, slice] | None,
+    block_size: int,
+    window: int | None,
+    cdt: torch.dtype,
+    device: torch.device,
+) -> PrefillWork:
+    """Read from block ``first`` on (after a shared prefix / before the window's first block);
+    the mask is built here, once per step."""
+    first, slots = shared if shared is not None else (0, None)
+    if window is not None and shared is None:
+        first = max(0, pre.seq_len - pre.query_len - window + 1) // block_size
+    if pre.seq_len == pre.query_len and window is None:
+        return PrefillWork(first_block=0, mask=None, slots=None)
+    q_pos = torch.arange(pre.seq_len - pre.query_len, pre.seq_len, device=device)
+    k_pos = torch.arange(first * block_size, pre.seq_len, device=device)
+    allowed = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        allowed &= k_pos[None, :] > q_pos[:, None] - window
+    mask = torch.zeros(allowed.shape, dtype=cdt, device=device)
+    mask.masked_fill_(~allowed, float("-inf"))
+    return PrefillWork(first, mask[None, None], slots)
+
+
+def make_native(rows: list[DecodeRow], meta: AttentionMetadata) -> NativeWork:
+    """Rows longest first (the kernel's threads take them in order), merges by LSE after."""
+    rows = sorted(rows, key=lambda r: -r.num_blocks)
+    device = meta.block_tables.device
+    kernel_rows = DecodeRows(
+        token_rows=long_tensor([r.token_row for r in rows], device),
+        seq_index=long_tensor([r.seq_index for r in rows], device),
+        first_block=long_tensor([r.first_block for r in rows], device),
+        seq_lens=long_tensor([r.seq_len for r in rows], device),
+    )
+    merged = [i for i, r in enumerate(rows) if r.shared_slot >= 0]
+    tables = meta.block_tables
+    if tables.dtype != torch.int32 or not tables.is_contiguous():
+        tables = tables.to(torch.int32).contiguous()
+    merge = None
+    if merged:
+        merge = NativeMerge(
+            tokens=long_tensor([rows[i].token_row for i in merged], device),
+            rows=long_tensor(merged, device),
+            slots=slots_index([rows[i].shared_slot for i in merged], device),
+        )
+    return NativeWork(kernel_rows, tables, merge)
