@@ -2,9 +2,9 @@
 
 Without CUDA the kernels run under the Triton interpreter (``TRITON_INTERPRET=1``, fp32 only,
 small shapes: it is slow). The variable must be set before the JIT functions are defined, so this
-module sets it for the import of ``kernels.triton_backend`` (reloading it if another module
-imported it first) and for each of its tests, restoring the environment after each, so other test
-modules in the same process are left alone.
+module sets it for the import of ``kernels.triton_backend`` (reloading it and
+``kernels.triton_kernels`` if another module imported them first) and for each of its tests,
+restoring the environment after each, so other test modules in the same process are left alone.
 With CUDA, the same cases plus the ``gpu``-marked ones (half precision, more head sizes, larger
 batches) run compiled on the device.
 """
@@ -31,9 +31,11 @@ def _import_backend():  # type: ignore[no-untyped-def]
     previous = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
-        module = sys.modules.get("kernels.triton_backend")
-        if module is not None and not module.INTERPRET:
-            return importlib.reload(module)
+        # The kernels are defined in kernels.triton_kernels; the backend takes INTERPRET from it.
+        for name in ("kernels.triton_kernels", "kernels.triton_backend"):
+            module = sys.modules.get(name)
+            if module is not None and not module.INTERPRET:
+                importlib.reload(module)
         return importlib.import_module("kernels.triton_backend")
     finally:
         if previous is None:
