@@ -88,22 +88,19 @@ class KVCacheManager:
     def emit(self, seq: Sequence, n: int) -> ScheduledSequence:
         """Schedule the next ``n`` tokens of ``seq`` into blocks it already holds.
 
-        This runs once per scheduled sequence per step (the decode hot path included), so it
-        reads each attribute once and keeps the one-token case branch-light.
+        The one place ``num_computed`` and ``synced_blocks`` move forward. It runs for every
+        scheduled sequence every step, so each attribute is read once.
         """
         table = seq.block_table
         start = seq.num_computed
-        end = start + n
+        end = seq.num_computed = start + n
+        offset = seq.synced_blocks
+        num_table = seq.synced_blocks = len(table)
         shift = self._shift
         if n == 1:
             slots = [(table[start >> shift] << shift) | (start & self._mask)]
         else:
             slots = self._slots(table, start, end)
-        offset = seq.synced_blocks
-        num_table = len(table)
-        new_blocks = table[offset:] if offset < num_table else []
-        seq.synced_blocks = num_table
-        seq.num_computed = end
         if self._caching and end >> shift > seq.num_registered:
             self._register(seq, end >> shift)
         tokens = seq.token_ids
@@ -113,7 +110,7 @@ class KVCacheManager:
             tokens[start:end],
             start,
             offset,
-            new_blocks,
+            table[offset:] if offset < num_table else [],
             slots,
             end == len(tokens),
         )
