@@ -156,6 +156,36 @@ def test_prefix_hit_reuses_full_blocks_and_leaves_last_token_to_compute() -> Non
     assert s.pool.stats.hit_tokens == 8
 
 
+def test_prefix_cache_stats_count_every_admission_and_are_a_copy() -> None:
+    s = make(num_blocks=16, block_size=4)
+    prompt = list(range(1, 13))
+    s.add_sequence("a", prompt, STOP)
+    run_step(s)  # a miss: 12 tokens (3 full blocks) queried, none hit
+    s.add_sequence("b", [*prompt, 99], STOP)
+    run_step(s)  # 13 tokens queried; all 3 full blocks hit (the 13th token is computed)
+    stats = s.prefix_cache_stats()
+    assert (stats.queried_tokens, stats.hit_tokens) == (25, 12)
+    assert (stats.queried_blocks, stats.hit_blocks) == (6, 3)
+    assert stats.hit_rate == 12 / 25
+    stats.hit_tokens = 0  # the caller's copy: the scheduler's counters are not touched
+    assert s.prefix_cache_stats().hit_tokens == 12
+
+
+def test_admission_capacity_counts_seats_and_average_blocks_per_running_sequence() -> None:
+    s = make(num_blocks=16, block_size=4, max_seqs=8)
+    assert s.admission_capacity() == 8  # empty: one block each, the seats are the limit
+    for i in range(2):
+        s.add_sequence(f"r{i}", [i + 1] * 5, STOP)
+    run_step(s)  # each holds 2 blocks (5 prompt tokens computed)
+    assert s.pool.num_free == 12
+    assert s.admission_capacity() == 6  # min(8 - 2 seats, 12 free // 2 per sequence)
+    s.add_sequence("w", [7] * 5, STOP)  # waiting: takes a seat and a share of the blocks
+    assert s.admission_capacity() == 5
+    for i in range(6):
+        s.add_sequence(f"more{i}", [7], STOP)
+    assert s.admission_capacity() == 0  # no seats left
+
+
 def test_salt_separates_prefix_caches() -> None:
     s = make(num_blocks=16, block_size=4)
     prompt = list(range(1, 10))
