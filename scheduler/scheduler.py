@@ -6,6 +6,12 @@ A prompt longer than the remaining budget is prefilled in chunks over several st
 sequence cannot get a block, the lowest-priority, most recently arrived running sequence is
 preempted by recompute: it loses its blocks (their prefixes stay in the cache) and waits at the
 front of its queue with every token it generated.
+
+What a block table does per step (prefix lookup, growth with copy-on-write, slots, registration)
+lives in :mod:`scheduler.kv_cache_manager`. Callers such as the engine use only the facade:
+``schedule`` / ``postprocess``, ``take_finished`` (sequences schedule() ended itself),
+``get_sequence``, ``admission_capacity``, ``occupancy`` (a typed ``PoolOccupancy``) and
+``prefix_cache_stats``; the queues, maps and pool stay the scheduler's own.
 """
 
 from __future__ import annotations
