@@ -36,6 +36,8 @@ from typing import Any, Literal
 import redis
 from pydantic import BaseModel, ConfigDict, Field
 
+from pagedserve.batch_checks import limit_errors
+from pagedserve.keys import Keys
 from pagedserve.openai_format import (
     BATCH_CANCELLED,
     BATCH_EXPIRED,
@@ -50,6 +52,7 @@ from pagedserve.openai_format import (
 )
 from pagedserve.schemas import JobRequest, JobResult
 from pagedserve.store import JobStore, batch_keys
+from pagedserve.tenants import ADMIT_FILE, QuotaExceeded
 
 #: Largest uploaded file (it lives in Redis memory).
 DEFAULT_MAX_FILE_BYTES = 64 * 1024 * 1024
@@ -157,11 +160,23 @@ class FileStore:
         self.r = r
         self.prefix = prefix
         self.max_bytes = max_bytes
+        self._admit_file = r.register_script(ADMIT_FILE)
 
     def key(self, file_id: str) -> str:
         return f"{self.prefix}:file:{file_id}"
 
-    def create(self, content: bytes | str, filename: str, purpose: str = "batch") -> FileObject:
+    def create(
+        self,
+        content: bytes | str,
+        filename: str,
+        purpose: str = "batch",
+        *,
+        tenant: str | None = None,
+        tenant_max_bytes: int = 0,
+    ) -> FileObject:
+        """Store a file; with ``tenant``, it is the file's owner (its own ``tenant`` field) and
+        the file counts against the tenant's ``tenant_max_bytes`` (0: no limit): over it, the file
+        is removed again and :class:`~pagedserve.tenants.QuotaExceeded` raised."""
         data = content.encode() if isinstance(content, str) else content
         if len(data) > self.max_bytes:
             raise ValueError(f"file is {len(data)} bytes; the limit is {self.max_bytes}")
@@ -178,8 +193,27 @@ class FileStore:
             filename=filename,
             purpose=purpose,
         )
-        self.r.hset(self.key(obj.id), mapping={"meta": obj.model_dump_json(), "content": text})
+        fields = {"meta": obj.model_dump_json(), "content": text}
+        if tenant is not None:
+            fields["tenant"] = tenant
+        self.r.hset(self.key(obj.id), mapping=fields)
+        if tenant is not None:
+            self._count_bytes(obj, tenant, tenant_max_bytes)
         return obj
+
+    def _count_bytes(self, obj: FileObject, tenant: str, limit: int) -> None:
+        keys = [Keys(self.prefix).tenant(tenant) + ":files", Keys(self.prefix).tenants]
+        ok, total = self._admit_file(
+            keys=keys, args=[self.key(""), obj.id, obj.bytes, limit, tenant]
+        )
+        if not ok:
+            self.r.delete(self.key(obj.id))
+            raise QuotaExceeded("file bytes", int(total) + obj.bytes, limit)
+
+    def owner(self, file_id: str) -> tuple[bool, str | None]:
+        """(whether the file exists, its tenant) in one round trip."""
+        meta, tenant = self.r.hmget(self.key(file_id), "meta", "tenant")
+        return meta is not None, tenant
 
     def get(self, file_id: str) -> FileObject | None:
         meta = self.r.hget(self.key(file_id), "meta")
@@ -237,7 +271,11 @@ class BatchStore:
         endpoint: str,
         completion_window: str = "24h",
         metadata: dict[str, str] | None = None,
+        *,
+        tenant: str | None = None,
     ) -> Batch:
+        """A new batch (``validating``); ``tenant`` is written as its own field, listed in the
+        tenant's index, copied onto its jobs and output files."""
         if endpoint not in ENDPOINTS:
             raise ValueError(f"endpoint must be one of {ENDPOINTS}, got {endpoint!r}")
         window = parse_window(completion_window)
@@ -261,6 +299,9 @@ class BatchStore:
         pipe = self.r.pipeline(transaction=True)
         pipe.hset(self.keys.batch(b.id), mapping=self._fields(b))
         pipe.hset(self.keys.batch(b.id), mapping={"total": 0, "completed": 0, "failed": 0})
+        if tenant is not None:
+            pipe.hset(self.keys.batch(b.id), "tenant", tenant)
+            pipe.zadd(self.keys.tenant_batches(tenant), {b.id: seq})
         pipe.zadd(self.index_key, {b.id: seq})
         pipe.sadd(self.active_key, b.id)
         pipe.execute()
@@ -285,16 +326,25 @@ class BatchStore:
     def get(self, batch_id: str) -> Batch | None:
         return self._from_hash(self.r.hgetall(self.keys.batch(batch_id)))
 
-    def list(self, after: str | None = None, limit: int = 20) -> dict[str, Any]:
-        """Newest first; ``after`` is the last id of the previous page."""
+    def owner(self, batch_id: str) -> tuple[bool, str | None]:
+        """(whether the batch exists, its tenant) in one round trip."""
+        obj, tenant = self.r.hmget(self.keys.batch(batch_id), "obj", "tenant")
+        return obj is not None, tenant
+
+    def list(
+        self, after: str | None = None, limit: int = 20, *, tenant: str | None = None
+    ) -> dict[str, Any]:
+        """Newest first; ``after`` is the last id of the previous page. With ``tenant``, only
+        that tenant's batches (its own index: another tenant's id as ``after`` is not found)."""
         limit = max(1, min(limit, 100))
+        index = self.index_key if tenant is None else self.keys.tenant_batches(tenant)
         start = 0
         if after is not None:
-            rank = self.r.zrevrank(self.index_key, after)
+            rank = self.r.zrevrank(index, after)
             if rank is None:
                 raise KeyError(f"batch {after} not found")
             start = rank + 1
-        ids = self.r.zrevrange(self.index_key, start, start + limit)  # one extra: has_more
+        ids = self.r.zrevrange(index, start, start + limit)  # one extra: has_more
         page = ids[:limit]
         pipe = self.r.pipeline(transaction=False)
         for bid in page:
@@ -352,9 +402,11 @@ class BatchStore:
         parsed = parse_file(
             content, endpoint=b.endpoint, known_models=self.known_models, batch_id=batch_id
         )
-        if parsed.format_errors:
-            return self._fail_validation(batch_id, parsed.format_errors)
-        job_ids = self._enqueue(batch_id, [x.request for x in parsed.lines])
+        fatal = parsed.format_errors or limit_errors(parsed)
+        if fatal:
+            return self._fail_validation(batch_id, fatal)
+        tenant = self.r.hget(self.keys.batch(batch_id), "tenant")
+        job_ids = self._enqueue(batch_id, [x.request for x in parsed.lines], tenant=tenant)
         err_lines = [line_error_line(e, batch_id) for e in parsed.request_errors]
         _, _, errors_key, _ = batch_keys(self.keys, batch_id)
 
@@ -380,7 +432,9 @@ class BatchStore:
             return self.cancel(batch_id)
         return out
 
-    def _enqueue(self, batch_id: str, requests: Sequence[JobRequest]) -> list[str]:
+    def _enqueue(
+        self, batch_id: str, requests: Sequence[JobRequest], tenant: str | None = None
+    ) -> list[str]:
         ids: list[str] = []
         for i in range(0, len(requests), ENQUEUE_CHUNK):
             part = []
@@ -389,7 +443,7 @@ class BatchStore:
                 digest = hashlib.sha256(cid.encode()).hexdigest()[:32]
                 key = f"batch:{batch_id}:{digest}"
                 part.append((uuid.uuid4().hex, req.model_copy(update={"idempotency_key": key})))
-            ids += [got for got, _ in self.jobs.enqueue_many(part)]
+            ids += [got for got, _ in self.jobs.enqueue_many(part, tenant=tenant)]
         return ids
 
     def _fail_validation(self, batch_id: str, errors: Sequence[LineError]) -> Batch | None:
@@ -522,13 +576,15 @@ class BatchStore:
         _, out_key, err_key, _ = batch_keys(self.keys, batch_id)
         out = self.r.lrange(out_key, 0, -1)
         errs = self.r.lrange(err_key, 0, -1)
+        tenant = self.r.hget(self.keys.batch(batch_id), "tenant")
         ids: list[str | None] = []
         for lines, kind in ((out, "output"), (errs, "error")):
             if not lines:
                 ids.append(None)
                 continue
             text = "".join(line + "\n" for line in lines)
-            f = self.files.create(text, f"{batch_id}_{kind}.jsonl", purpose="batch_output")
+            name = f"{batch_id}_{kind}.jsonl"
+            f = self.files.create(text, name, purpose="batch_output", tenant=tenant)
             ids.append(f.id)
         return ids[0], ids[1]
 

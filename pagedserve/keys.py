@@ -68,3 +68,18 @@ class Keys:
 
     def batch(self, batch_id: str) -> str:
         return f"{self.prefix}:batch:{batch_id}"
+
+    # ----------------------------------------------------------------------------- tenants
+    @property
+    def tenants(self) -> str:
+        """Set of every tenant that has written something (pagedserve.tenants)."""
+        return f"{self.prefix}:tenants"
+
+    def tenant(self, tenant: str) -> str:
+        """Base of one tenant's keys: ``:open`` (set of open job ids), ``:stats`` (hash),
+        ``:files`` (hash file id -> bytes), ``:prune`` (throttle), ``:batches`` (zset)."""
+        return f"{self.prefix}:tenant:{tenant}"
+
+    def tenant_batches(self, tenant: str) -> str:
+        """One tenant's batches, like ``{prefix}:batches`` (the newest-first list)."""
+        return f"{self.tenant(tenant)}:batches"

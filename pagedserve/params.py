@@ -4,15 +4,18 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pagedserve.jsonsafe import check_text
+
 
 class SamplingParams(BaseModel):
     """How to sample one request's completions (the names vLLM users know).
 
     ``temperature == 0`` means greedy decoding. ``max_tokens=None`` generates until a stop
-    condition or the model's context length.
+    condition or the model's context length. Types are strict: ``"16"`` or ``true`` is not an
+    int (an int is accepted where a float is expected).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     n: int = Field(1, ge=1, le=64, description="number of completions sharing the prompt")
     max_tokens: int | None = Field(16, ge=1)
@@ -43,6 +46,8 @@ class SamplingParams(BaseModel):
     def _no_empty_stop(cls, v: list[str]) -> list[str]:
         if any(s == "" for s in v):
             raise ValueError("stop strings must be non-empty")
+        for s in v:
+            check_text(s, "a stop string")
         return v
 
     @field_validator("stop_token_ids")
