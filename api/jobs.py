@@ -9,10 +9,12 @@ from typing import Any
 
 from flask import Blueprint, Response, request, stream_with_context, url_for
 
-from api.errors import ApiError, json_body
+from api import auth
+from api.errors import ApiError, json_body, quota_error
 from api.state import AppState, get_state
 from pagedserve.client import new_job_id
 from pagedserve.schemas import DeltaEvent, JobRecord, JobRequest, JobStatus
+from pagedserve.tenants import DEFAULT_TENANT
 
 bp = Blueprint("jobs", __name__)
 
@@ -23,6 +25,14 @@ JOB_ID_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 def check_job_id(job_id: str) -> str:
     if not JOB_ID_RE.match(job_id):
         raise ApiError(404, f"job {job_id[:140]!r} not found", "job_not_found")
+    return job_id
+
+
+def require_job(job_id: str) -> str:
+    """The id, if the job exists and the caller may see it; else 404 (also for another
+    tenant's job: its existence is not revealed)."""
+    exists, tenant = get_state().store.owner(check_job_id(job_id))
+    auth.require_visible(exists, tenant, "job", job_id)
     return job_id
 
 
@@ -40,16 +50,77 @@ def progress_of(rec: JobRecord) -> dict[str, Any]:
 
 def job_json(rec: JobRecord) -> dict[str, Any]:
     out = rec.model_dump(mode="json")
+    idem = out["request"].get("idempotency_key")
+    if rec.tenant and idem and idem.startswith(rec.tenant + "/"):
+        out["request"]["idempotency_key"] = idem[len(rec.tenant) + 1 :]
     out["object"] = "job"
     out["progress"] = progress_of(rec)
     return out
 
 
+def check_context(state: AppState, req: JobRequest) -> None:
+    """400 for a prompt that cannot fit the served model's context (from the workers'
+    heartbeats; no live worker: not checked here, the worker refuses it). Token ids are counted;
+    text has at least ceil(bytes / max_token_bytes) tokens (a chat template only adds some)."""
+    lim = state.context_limits(req.model)
+    if lim is None:
+        return
+    if isinstance(req.prompt, list):
+        n, exact = len(req.prompt), True
+    elif lim.max_token_bytes:
+        texts = (
+            [req.prompt] if isinstance(req.prompt, str) else [m.content for m in req.messages or ()]
+        )
+        size = sum(len(t.encode("utf-8")) for t in texts)
+        n, exact = -(-size // lim.max_token_bytes), False
+    else:
+        return
+    out = req.params.max_tokens or 1
+    if n + out <= lim.max_model_len:
+        return
+    count = f"{n} tokens" if exact else f"at least {n} tokens ({size} bytes of text)"
+    asked = f" + max_tokens {req.params.max_tokens}" if req.params.max_tokens else ""
+    raise ApiError(
+        400,
+        f"the prompt has {count}{asked}: more than the model's context length of "
+        f"{lim.max_model_len} tokens",
+        "context_length_exceeded",
+        "prompt" if req.prompt is not None else "messages",
+    )
+
+
+def tenant_request(req: JobRequest, tenant: str | None) -> JobRequest:
+    """Idempotency keys are per tenant: another tenant's key never names our job."""
+    if tenant is None or tenant == DEFAULT_TENANT or req.idempotency_key is None:
+        return req
+    return req.model_copy(update={"idempotency_key": f"{tenant}/{req.idempotency_key}"})
+
+
+def _reserve(state: AppState, tenant: str | None, job_id: str) -> bool:
+    """Reserve a place among the tenant's open jobs (429 over the limit); whether one was."""
+    limit = state.config.tenant_max_queued
+    if tenant is None or limit <= 0:
+        return False
+    ok, n = state.store.tenants.admit_job(tenant, job_id, limit)
+    if not ok:
+        raise quota_error(
+            f"tenant {tenant!r} has {n} open jobs; the limit is {limit}: retry later",
+            state.config.quota_retry_after_s,
+        )
+    return True
+
+
 @bp.post("/v1/jobs")
 def submit() -> tuple[dict[str, Any], int, dict[str, str]]:
     req = JobRequest.model_validate(json_body(request))
-    store = get_state().store
-    job_id, created = store.enqueue(new_job_id(), req)
+    state = get_state()
+    check_context(state, req)
+    store, tenant = state.store, auth.owned_tenant()
+    new_id = new_job_id()
+    reserved = _reserve(state, tenant, new_id)
+    job_id, created = store.enqueue(new_id, tenant_request(req, tenant), tenant=tenant)
+    if reserved and not created:  # an idempotent repeat: the reservation is not needed
+        store.tenants.unreserve(tenant or "", new_id)
     status = store.status(job_id)
     body = {"id": job_id, "object": "job", "status": status.value, "created": created}
     return body, 202, {"Location": url_for("jobs.get_job", job_id=job_id)}
@@ -58,14 +129,14 @@ def submit() -> tuple[dict[str, Any], int, dict[str, str]]:
 @bp.get("/v1/jobs/<job_id>")
 def get_job(job_id: str) -> dict[str, Any]:
     rec = get_state().store.get(check_job_id(job_id))
-    if rec is None:
-        raise ApiError(404, f"job {job_id!r} not found", "job_not_found")
+    auth.require_visible(rec is not None, rec.tenant if rec else None, "job", job_id)
+    assert rec is not None
     return job_json(rec)
 
 
 @bp.delete("/v1/jobs/<job_id>")
 def cancel_job(job_id: str) -> dict[str, Any]:
-    status = get_state().store.cancel(check_job_id(job_id))
+    status = get_state().store.cancel(require_job(job_id))
     if status == JobStatus.NOT_FOUND:
         raise ApiError(404, f"job {job_id!r} not found", "job_not_found")
     return {"id": job_id, "object": "job", "status": status.value}
@@ -113,7 +184,7 @@ def follow(state: AppState, job_id: str, last: str) -> Iterator[str]:
 @bp.get("/v1/jobs/<job_id>/events")
 def job_events(job_id: str) -> Response:
     state = get_state()
-    if state.store.status(check_job_id(job_id)) == JobStatus.NOT_FOUND:
+    if state.store.status(require_job(job_id)) == JobStatus.NOT_FOUND:
         raise ApiError(404, f"job {job_id!r} not found", "job_not_found")
     last = request.headers.get("Last-Event-ID") or request.args.get("after") or "0-0"
     if not re.match(r"^\d+-\d+$", last):
