@@ -39,8 +39,9 @@ TENANT_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 DEFAULT_TENANT = "default"
 #: A key of this tenant (or marked ``:admin``) sees every tenant's records.
 ADMIN_TENANT = "admin"
-#: Full prunes of one tenant's open set happen at most this often.
-PRUNE_EVERY_MS = 1000
+#: Full prunes of one tenant's open set happen at most this often (a prune reads every member's
+#: status inside Redis: about 0.3 ms per 1,000 open jobs).
+PRUNE_EVERY_MS = 100
 
 _PRUNE = """
 local function ended(job)
