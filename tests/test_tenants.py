@@ -13,14 +13,17 @@ from typing import Any
 
 import pytest
 from flask.testing import FlaskClient
+from prometheus_client.parser import text_string_to_metric_families
 
 from api.auth import KeyRing, Principal, parse_entry, visible
 from pagedserve.batches import BatchStore
 from pagedserve.client import Client
 from pagedserve.redis_util import connect
-from pagedserve.store import JobStore
+from pagedserve.schemas import Completion, JobResult
+from pagedserve.store import Finish, JobStore
+from pagedserve.telemetry import RunningJob
 from pagedserve.tenants import PRUNE_EVERY_MS, TenantBook
-from tests.api_fixtures import make_app
+from tests.api_fixtures import heartbeat, make_app, publish
 
 KEY_A, KEY_B, KEY_ADMIN, KEY_OLD = "key-a-123", "key-b-456", "key-root-789", "legacy-key"
 KEYS = f"team-a:{KEY_A}, team-b:{KEY_B}, ops:{KEY_ADMIN}:admin, {KEY_OLD}"
@@ -47,6 +50,11 @@ def submit(client: FlaskClient, who: dict[str, str], body: dict[str, Any] | None
 def assert_404(resp: Any, code: str) -> None:
     assert resp.status_code == 404, (resp.status_code, resp.get_data(as_text=True))
     assert resp.get_json()["error"]["code"] == code
+
+
+def result(tokens: int) -> JobResult:
+    comp = Completion(index=0, text="t", token_ids=[1] * tokens, finish_reason="length")
+    return JobResult(completions=[comp], prompt_tokens=1, completion_tokens=tokens)
 
 
 def line(cid: str, model: str = "tiny") -> str:
@@ -255,3 +263,47 @@ def test_open_mode_warns_once_and_sees_everything(
     assert len(warnings) == 1
     tagged = Client(redis_url, tenant="team-a").submit("x")
     assert client.get(f"/v1/jobs/{tagged}").status_code == 200
+
+
+# ----------------------------------------------------------------------------- metrics, workers
+def tenant_samples(text: str) -> dict[tuple[str, str], float]:
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if "tenant" in s.labels:
+                out[(s.name, s.labels["tenant"])] = s.value
+    return out
+
+
+def test_metrics_per_tenant(client: FlaskClient, redis_url: str) -> None:
+    a_jobs = [submit(client, A) for _ in range(2)]
+    submit(client, B)
+    store = JobStore(redis_url)
+    lease = store.claim("w1", 1)[0]  # interactive first: A's first job runs
+    assert lease.job_id == a_jobs[0]
+    store.progress(lease, 5, "hello", [1, 2, 3, 4, 5])
+    done = Finish(lease, "succeeded", result=result(7))
+    assert not store.commit_step(finished=[done]).lost
+    time.sleep(PRUNE_EVERY_MS / 1000 + 0.05)
+    every = tenant_samples(client.get("/metrics", headers=ADMIN).get_data(as_text=True))
+    assert every[("pagedserve:tenant_queue_depth", "team-a")] == 1
+    assert every[("pagedserve:tenant_queue_depth", "team-b")] == 1
+    assert every[("pagedserve:tenant_generation_tokens_total", "team-a")] == 7
+    assert every[("pagedserve:tenant_jobs_finished_total", "team-a")] == 1
+    own = tenant_samples(client.get("/metrics", headers=B).get_data(as_text=True))
+    assert {t for _, t in own} == {"team-b"}
+    rows = client.get("/v1/tenants", headers=A).get_json()["data"]
+    assert [(r["tenant"], r["queued"], r["tokens_generated"]) for r in rows] == [("team-a", 1, 7)]
+
+
+def test_workers_list_hides_other_tenants_jobs(client: FlaskClient, redis_url: str) -> None:
+    ja, jb = submit(client, A), submit(client, B)
+    hb = heartbeat("w1")
+    hb.jobs = [RunningJob(id=ja, tokens=1, max_tokens=16), RunningJob(id=jb, tokens=2)]
+    publish(redis_url, hb)
+
+    def shown(who: dict[str, str]) -> set[str]:
+        data = client.get("/v1/workers", headers=who).get_json()["data"]
+        return {j["id"] for w in data for j in w["jobs"]}
+
+    assert shown(A) == {ja} and shown(B) == {jb} and shown(ADMIN) == {ja, jb}
