@@ -9,9 +9,11 @@ Layout (prefix ``ps``)::
     ps:tenant:{t}:prune      string throttle of the full prune (expires after PRUNE_EVERY_MS)
 
 Counting open jobs: a job id is added to ``open`` when a job is created with a tenant (atomically
-with the ``tenant`` field, :data:`TAG_JOB`); it is removed once its record says it ended (or the
-record is gone: expired), and only then are its generated tokens added to ``stats``, so each job
-is counted exactly once whoever removes it. Nothing in the workers' Lua end paths has to know about
+with the ``tenant`` field, :data:`TAG_JOB`), or reserved just before (:data:`ADMIT_JOB`); it is
+removed once its record says it ended, and only then (one ``SREM`` succeeds) are its generated
+tokens added to ``stats``, so each job is counted exactly once whoever removes it. An id without a
+record is removed uncounted: expired before any prune saw it end, or reserved and not yet created
+(the tag adds it back; a reservation dropped that way lets a concurrent submit past the limit). Nothing in the workers' Lua end paths has to know about
 tenants: removal is a *prune* by job status, done (a) by two random samples at every tagged
 enqueue, which keeps the set within about twice the number of open jobs, and (b) fully, throttled
 to once per :data:`PRUNE_EVERY_MS` per tenant, before a limit is enforced and at every metrics
@@ -44,13 +46,13 @@ ADMIN_TENANT = "admin"
 PRUNE_EVERY_MS = 100
 
 _PRUNE = """
-local function ended(job)
-  local s = redis.call('HGET', job, 'status')
-  return (not s) or s == 'succeeded' or s == 'failed' or s == 'cancelled'
-end
 local function drop(open, stats, jobpfx, id)
   local job = jobpfx .. id
-  if ended(job) and redis.call('SREM', open, id) == 1 then
+  local s = redis.call('HGET', job, 'status')
+  if not s then
+    redis.call('SREM', open, id)
+  elseif (s == 'succeeded' or s == 'failed' or s == 'cancelled')
+      and redis.call('SREM', open, id) == 1 then
     local t = tonumber(redis.call('HGET', job, 'tokens_generated') or '0') or 0
     redis.call('HINCRBY', stats, 'tokens', t)
     redis.call('HINCRBY', stats, 'jobs', 1)
