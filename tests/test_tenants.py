@@ -16,6 +16,7 @@ from flask.testing import FlaskClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from api.auth import KeyRing, Principal, parse_entry, visible
+from bench import auth_cost
 from pagedserve.batches import BatchStore
 from pagedserve.client import Client
 from pagedserve.redis_util import connect
@@ -24,6 +25,7 @@ from pagedserve.store import Finish, JobStore
 from pagedserve.telemetry import RunningJob
 from pagedserve.tenants import PRUNE_EVERY_MS, TenantBook
 from tests.api_fixtures import heartbeat, make_app, publish
+from tests.test_cli import cli
 
 KEY_A, KEY_B, KEY_ADMIN, KEY_OLD = "key-a-123", "key-b-456", "key-root-789", "legacy-key"
 KEYS = f"team-a:{KEY_A}, team-b:{KEY_B}, ops:{KEY_ADMIN}:admin, {KEY_OLD}"
@@ -307,3 +309,25 @@ def test_workers_list_hides_other_tenants_jobs(client: FlaskClient, redis_url: s
         return {j["id"] for w in data for j in w["jobs"]}
 
     assert shown(A) == {ja} and shown(B) == {jb} and shown(ADMIN) == {ja, jb}
+
+
+# ----------------------------------------------------------------------------- CLI, bench
+def test_cli_tenant(redis_url: str, tmp_path: Path) -> None:
+    jid = cli(redis_url, "--tenant", "team-a", "submit", "hi")[1]["id"]
+    assert JobStore(redis_url).get(jid).tenant == "team-a"  # type: ignore[union-attr]
+    path = tmp_path / "in.jsonl"
+    path.write_text(line("a") + "\n")
+    bs = BatchStore(redis_url)
+    assert cli(redis_url, "--tenant", "team-b", "batch", "submit", str(path))[0] == 0
+    assert cli(redis_url, "batch", "submit", str(path))[0] == 0
+    mine = cli(redis_url, "--tenant", "team-b", "batch", "list")[1]["data"]
+    assert len(mine) == 1 and bs.owner(mine[0]["id"]) == (True, "team-b")
+    assert bs.files.owner(mine[0]["input_file_id"]) == (True, "team-b")
+    assert len(cli(redis_url, "batch", "list")[1]["data"]) == 2  # no tenant: every batch
+
+
+def test_auth_cost_bench_prints_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    auth_cost.main(["--requests", "20", "--rounds", "1", "--tenants", "3"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["bench"] == "auth_cost" and out["requests"] == 20
+    assert out["get_keyed_p50_us"] > 0 and out["get_ratio_p50"] > 0
