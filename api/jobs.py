@@ -11,7 +11,7 @@ from flask import Blueprint, Response, request, stream_with_context, url_for
 
 from api import auth
 from api.errors import ApiError, json_body, quota_error
-from api.state import AppState, get_state
+from api.state import AppState, ContextLimits, get_state
 from pagedserve.client import new_job_id
 from pagedserve.schemas import DeltaEvent, JobRecord, JobRequest, JobStatus
 from pagedserve.tenants import DEFAULT_TENANT
@@ -58,31 +58,39 @@ def job_json(rec: JobRecord) -> dict[str, Any]:
     return out
 
 
-def check_context(state: AppState, req: JobRequest) -> None:
-    """400 for a prompt that cannot fit the served model's context (from the workers'
-    heartbeats; no live worker: not checked here, the worker refuses it). Token ids are counted;
-    text has at least ceil(bytes / max_token_bytes) tokens (a chat template only adds some)."""
-    lim = state.context_limits(req.model)
-    if lim is None:
-        return
+def prompt_tokens(req: JobRequest, lim: ContextLimits) -> tuple[int, str] | None:
+    """The prompt's token count (ids) or a lower bound (text): (count, how it was counted).
+
+    A text of N UTF-8 bytes has at least ceil(N / max_token_bytes) tokens (no token stands for
+    more bytes). Chat contents count stripped (templates may trim them); the template's own text
+    only adds tokens. ``None`` when text cannot be bounded (no ``max_token_bytes`` published)."""
     if isinstance(req.prompt, list):
-        n, exact = len(req.prompt), True
-    elif lim.max_token_bytes:
-        texts = (
-            [req.prompt] if isinstance(req.prompt, str) else [m.content for m in req.messages or ()]
-        )
-        size = sum(len(t.encode("utf-8")) for t in texts)
-        n, exact = -(-size // lim.max_token_bytes), False
+        return len(req.prompt), f"{len(req.prompt)} tokens"
+    if not lim.max_token_bytes:
+        return None
+    if isinstance(req.prompt, str):
+        size = len(req.prompt.encode("utf-8"))
     else:
+        size = sum(len(m.content.strip().encode("utf-8")) for m in req.messages or ())
+    n = -(-size // lim.max_token_bytes)
+    return n, f"at least {n} tokens ({size} bytes of text)"
+
+
+def check_context(state: AppState, req: JobRequest) -> None:
+    """400 for a prompt that cannot fit the served model's context, with ``max_tokens`` (or at
+    least one token) after it. The context comes from the workers' heartbeats; with no live
+    worker nothing is checked here (the worker refuses what cannot fit)."""
+    lim = state.context_limits(req.model)
+    counted = prompt_tokens(req, lim) if lim is not None else None
+    if lim is None or counted is None:
         return
-    out = req.params.max_tokens or 1
-    if n + out <= lim.max_model_len:
+    n, how = counted
+    if n + (req.params.max_tokens or 1) <= lim.max_model_len:
         return
-    count = f"{n} tokens" if exact else f"at least {n} tokens ({size} bytes of text)"
     asked = f" + max_tokens {req.params.max_tokens}" if req.params.max_tokens else ""
     raise ApiError(
         400,
-        f"the prompt has {count}{asked}: more than the model's context length of "
+        f"the prompt has {how}{asked}: more than the model's context length of "
         f"{lim.max_model_len} tokens",
         "context_length_exceeded",
         "prompt" if req.prompt is not None else "messages",

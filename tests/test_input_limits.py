@@ -196,6 +196,8 @@ def served(redis_url: str) -> FlaskClient:
         ({"prompt": "x" * 8 * 48, "params": {"max_tokens": 16}}, True),
         ({"prompt": "x" * (8 * 48 + 1), "params": {"max_tokens": 16}}, False),
         ({"messages": [{"role": "user", "content": "é" * 300}]}, False),
+        # Chat contents count stripped: a template may trim them.
+        ({"messages": [{"role": "user", "content": " " * 600 + "hi"}]}, True),
     ],
 )
 def test_prompt_longer_than_the_context_is_400(served: FlaskClient, body: dict, ok: bool) -> None:
