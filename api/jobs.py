@@ -13,7 +13,7 @@ from api import auth
 from api.errors import ApiError, json_body, quota_error
 from api.state import AppState, ContextLimits, get_state
 from pagedserve.client import new_job_id
-from pagedserve.schemas import DeltaEvent, JobRecord, JobRequest, JobStatus
+from pagedserve.schemas import MAX_IDEMPOTENCY_KEY, DeltaEvent, JobRecord, JobRequest, JobStatus
 from pagedserve.tenants import DEFAULT_TENANT
 
 bp = Blueprint("jobs", __name__)
@@ -101,7 +101,16 @@ def tenant_request(req: JobRequest, tenant: str | None) -> JobRequest:
     """Idempotency keys are per tenant: another tenant's key never names our job."""
     if tenant is None or tenant == DEFAULT_TENANT or req.idempotency_key is None:
         return req
-    return req.model_copy(update={"idempotency_key": f"{tenant}/{req.idempotency_key}"})
+    key = f"{tenant}/{req.idempotency_key}"
+    if len(key) > MAX_IDEMPOTENCY_KEY:
+        room = MAX_IDEMPOTENCY_KEY - len(tenant) - 1
+        raise ApiError(
+            422,
+            f"idempotency_key: at most {room} characters for tenant {tenant!r}",
+            "validation_error",
+            "idempotency_key",
+        )
+    return req.model_copy(update={"idempotency_key": key})
 
 
 def _reserve(state: AppState, tenant: str | None, job_id: str) -> bool:

@@ -102,12 +102,19 @@ def test_tenant_is_server_written_not_from_metadata(client: FlaskClient, redis_u
     assert_404(client.get(f"/v1/jobs/{jid}", headers=A), "job_not_found")
 
 
-def test_idempotency_keys_are_per_tenant(client: FlaskClient) -> None:
+def test_idempotency_keys_are_per_tenant(client: FlaskClient, redis_url: str) -> None:
     body = {"prompt": "x", "idempotency_key": "order-1"}
     a1, a2, b1 = submit(client, A, body), submit(client, A, body), submit(client, B, body)
     assert a1 == a2 and b1 != a1
     got = client.get(f"/v1/jobs/{b1}", headers=B).get_json()
     assert got["request"]["idempotency_key"] == "order-1"  # shown as the client sent it
+    # The stored key carries the tenant and still fits the request's limit (workers parse it).
+    long = {"prompt": "x", "idempotency_key": "k" * 256}
+    err = client.post("/v1/jobs", json=long, headers=A).get_json()["error"]
+    assert err["code"] == "validation_error" and "at most 249" in err["message"]
+    fits = submit(client, A, {**long, "idempotency_key": "k" * 249})
+    rec = JobStore(redis_url).get(fits)
+    assert rec is not None and rec.error is None and len(rec.request.idempotency_key or "") == 256
 
 
 def test_bare_key_and_untagged_records_are_the_default_tenant(
