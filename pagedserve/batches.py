@@ -202,7 +202,7 @@ class FileStore:
         return obj
 
     def _count_bytes(self, obj: FileObject, tenant: str, limit: int) -> None:
-        keys = [Keys(self.prefix).tenant(tenant) + ":files", Keys(self.prefix).tenants]
+        keys = [Keys(self.prefix).tenant_files(tenant), Keys(self.prefix).tenants]
         ok, total = self._admit_file(
             keys=keys, args=[self.key(""), obj.id, obj.bytes, limit, tenant]
         )

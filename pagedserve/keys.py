@@ -83,3 +83,7 @@ class Keys:
     def tenant_batches(self, tenant: str) -> str:
         """One tenant's batches, like ``{prefix}:batches`` (the newest-first list)."""
         return f"{self.tenant(tenant)}:batches"
+
+    def tenant_files(self, tenant: str) -> str:
+        """One tenant's stored files: hash file id -> bytes (pagedserve.tenants)."""
+        return f"{self.tenant(tenant)}:files"

@@ -9,16 +9,17 @@ Layout (prefix ``ps``)::
     ps:tenant:{t}:prune      string throttle of the full prune (expires after PRUNE_EVERY_MS)
 
 Counting open jobs: a job id is added to ``open`` when a job is created with a tenant (atomically
-with the ``tenant`` field, :data:`TAG_JOB`), or reserved just before (:data:`ADMIT_JOB`); it is
-removed once its record says it ended, and only then (one ``SREM`` succeeds) are its generated
-tokens added to ``stats``, so each job is counted exactly once whoever removes it. An id without a
-record is removed uncounted: expired before any prune saw it end, or reserved and not yet created
-(the tag adds it back; a reservation dropped that way lets a concurrent submit past the limit). Nothing in the workers' Lua end paths has to know about
-tenants: removal is a *prune* by job status, done (a) by two random samples at every tagged
-enqueue, which keeps the set within about twice the number of open jobs, and (b) fully, throttled
-to once per :data:`PRUNE_EVERY_MS` per tenant, before a limit is enforced and at every metrics
-scrape. Between full prunes the count can only over-count (ended jobs not yet removed), so a limit
-errs on refusing (429 with Retry-After), never on admitting more than the limit.
+with the ``tenant`` field, :data:`TAG_JOB`), or reserved just before that by the API's admission
+(:data:`ADMIT_JOB`). Nothing in the workers' Lua end paths has to know about tenants: removal is a
+*prune* by job status, done (a) by two random samples at every tagged enqueue, which keeps the set
+within about twice the number of open jobs, and (b) fully, throttled to once per
+:data:`PRUNE_EVERY_MS` per tenant, before a limit is enforced and at every metrics scrape. An id is
+removed once its record says it ended, and only then (the one ``SREM`` that succeeds) are its
+generated tokens added to ``stats``, so each job is counted exactly once whoever removes it. An id
+without a record is removed uncounted: expired before any prune saw it end, or reserved and not yet
+created (its tag adds it back). Between full prunes the count can only over-count (ended jobs not
+yet removed), so a limit errs on refusing (429 with Retry-After); the one way past it is a prune
+that drops another request's reservation in the instant between its admission and its enqueue.
 
 File bytes are the sum of the ``files`` hash after dropping entries whose file key no longer exists,
 so deleting a file (by any code path) frees its bytes without a counter to keep in step.
@@ -187,7 +188,7 @@ class TenantBook:
         return f"{self.base(tenant)}:stats"
 
     def files_key(self, tenant: str) -> str:
-        return f"{self.base(tenant)}:files"  # also FileStore._count_bytes
+        return self.keys.tenant_files(tenant)
 
     def tag_keys(self, job_id: str, tenant: str) -> list[str]:
         """KEYS of :data:`TAG_JOB` for a job of ``tenant``."""
