@@ -2,9 +2,25 @@
 
 from __future__ import annotations
 
+import numbers
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pagedserve.jsonsafe import check_text
+
+
+def as_int(v: Any) -> Any:
+    """A Python int for an integral number of another type (NumPy's ``int64``...), so strict
+    mode still accepts them from Python callers; ``bool`` and strings are left to be refused."""
+    if isinstance(v, numbers.Integral) and not isinstance(v, (bool, int)):
+        return int(v)
+    return v
+
+
+def as_ints(v: Any) -> Any:
+    """:func:`as_int` over a list (or tuple) of token ids."""
+    return [as_int(x) for x in v] if isinstance(v, (list, tuple)) else v
 
 
 class SamplingParams(BaseModel):
@@ -33,6 +49,16 @@ class SamplingParams(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     logprobs: int | None = Field(None, ge=0, le=20, description="top-k logprobs per sampled token")
+
+    @field_validator("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", mode="before")
+    @classmethod
+    def _integral(cls, v: object) -> object:
+        return as_int(v)
+
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _integral_ids(cls, v: object) -> object:
+        return as_ints(v)
 
     @field_validator("stop", mode="before")
     @classmethod

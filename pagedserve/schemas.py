@@ -22,7 +22,7 @@ from pydantic import (
 
 from pagedserve.jsonsafe import check_text
 from pagedserve.keys import Priority
-from pagedserve.params import SamplingParams
+from pagedserve.params import SamplingParams, as_ints
 
 #: Largest ``metadata`` object accepted, measured as compact JSON.
 MAX_METADATA_BYTES = 16 * 1024
@@ -105,6 +105,11 @@ class JobRequest(BaseModel):
     idempotency_key: str | None = Field(None, min_length=1, max_length=MAX_IDEMPOTENCY_KEY)
     metadata: Metadata | None = None
     model: str | None = Field(None, min_length=1, max_length=256)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _integral_ids(cls, v: object) -> object:
+        return as_ints(v) if isinstance(v, (list, tuple)) else v
 
     @field_validator("prompt")
     @classmethod

@@ -129,6 +129,15 @@ def test_strict_prompt_ids_and_python_callers() -> None:
     assert SamplingParams(max_tokens=16).max_tokens == 16
     assert SamplingParams(temperature=0).temperature == 0.0  # an int where a float is expected
     assert SamplingParams(stop="x").stop == ["x"]
+    # Integral numbers of other types (NumPy's) still work from Python; bools and strings do not.
+    np = pytest.importorskip("numpy")
+    got = SamplingParams(max_tokens=np.int64(5), stop_token_ids=[np.int32(2)])
+    assert (got.max_tokens, got.stop_token_ids) == (5, [2]) and type(got.max_tokens) is int
+    assert JobRequest(prompt=list(np.arange(3))).prompt == [0, 1, 2]
+    assert JobRequest(prompt=(1, 2)).prompt == [1, 2]
+    for bad in ({"max_tokens": True}, {"n": "2"}, {"stop_token_ids": [False]}):
+        with pytest.raises(ValidationError):
+            SamplingParams(**bad)
 
 
 # ----------------------------------------------------------------------------- metadata
