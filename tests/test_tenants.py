@@ -15,7 +15,8 @@ import pytest
 from flask.testing import FlaskClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from api.auth import KeyRing, Principal, parse_entry, visible
+from api.auth import KeyRing, Principal, key_ring, parse_entry, visible
+from api.config import ApiConfig
 from bench import auth_cost
 from pagedserve.batches import BatchStore
 from pagedserve.client import Client
@@ -338,3 +339,22 @@ def test_auth_cost_bench_prints_one_line(capsys: pytest.CaptureFixture[str]) -> 
     out = json.loads(capsys.readouterr().out)
     assert out["bench"] == "auth_cost" and out["requests"] == 20
     assert out["get_keyed_p50_us"] > 0 and out["get_ratio_p50"] > 0
+
+
+def test_limits_and_keys_file_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    path = tmp_path / "keys"
+    path.write_text("team-a:k1\n")
+    monkeypatch.setenv("PAGEDSERVE_API_KEYS", "team-b:k2, k3")
+    monkeypatch.setenv("PAGEDSERVE_API_KEYS_FILE", str(path))
+    monkeypatch.setenv("PAGEDSERVE_TENANT_MAX_QUEUED", "7")
+    monkeypatch.setenv("PAGEDSERVE_TENANT_MAX_FILE_BYTES", "1000")
+    cfg = ApiConfig.from_env()
+    assert (cfg.tenant_max_queued, cfg.tenant_max_file_bytes) == (7, 1000)
+    ring = key_ring(cfg)
+    assert [ring.lookup(k) for k in ("k1", "k2", "k3")] == [
+        Principal("team-a"),
+        Principal("team-b"),
+        Principal("default"),
+    ]
