@@ -12,6 +12,7 @@ import pytest
 from flask.testing import FlaskClient
 from pydantic import ValidationError
 
+from pagedserve.batch_checks import count_lines
 from pagedserve.batches import BatchStore
 from pagedserve.params import SamplingParams
 from pagedserve.schemas import MAX_PROMPT_CHARS, JobRequest
@@ -169,6 +170,13 @@ def test_batch_file_line_limit(redis_url: str) -> None:
     client = make_app(redis_url).test_client()
     text = "\n".join(line(f"c{i}") for i in range(50_001)) + "\n"
     check_error(upload(client, text), 400, "invalid_batch_file", "line 50001", "at most 50000")
+
+
+def test_line_count_splits_on_newline_only() -> None:
+    """The request count before parsing splits lines as the parser does (``\\n`` only): a
+    U+2028 / U+2029 / U+0085 inside a JSON string does not count as another request."""
+    text = json.dumps({"custom_id": "a\u2028b\u2029c\x85d"}, ensure_ascii=False) + "\r\n\n"
+    assert count_lines(text) == 1
 
 
 def test_one_model_per_batch(client: FlaskClient, redis_url: str) -> None:

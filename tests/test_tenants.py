@@ -177,6 +177,51 @@ def test_fan_out_copies_the_batch_tenant(client: FlaskClient, redis_url: str) ->
     assert_404(client.get(f"/v1/files/{err_file}/content", headers=B), "file_not_found")
 
 
+def test_file_list_and_delete_are_per_tenant(client: FlaskClient, redis_url: str) -> None:
+    """``GET /v1/files`` lists only the caller's files (an untagged file is the default
+    tenant's); another tenant's id is 404 as a cursor and for ``DELETE``; an admin sees all."""
+    a_ids = [upload(client, A, line(c) + "\n").get_json()["id"] for c in ("a", "b")]
+    b_id = upload(client, B, line("a") + "\n").get_json()["id"]
+    legacy = BatchStore(redis_url).files.create(line("a") + "\n", "old.jsonl").id
+
+    def listed(who: dict[str, str], query: str = "") -> list[str]:
+        resp = client.get(f"/v1/files{query}", headers=who)
+        assert resp.status_code == 200, resp.get_json()
+        return [f["id"] for f in resp.get_json()["data"]]
+
+    assert listed(A) == a_ids[::-1] and listed(B) == [b_id] and listed(OLD) == [legacy]
+    assert listed(A, "?limit=1") == [a_ids[1]] and listed(A, f"?after={a_ids[1]}") == [a_ids[0]]
+    assert set(listed(ADMIN)) == {*a_ids, b_id, legacy}
+    assert_404(client.get(f"/v1/files?after={a_ids[1]}", headers=B), "file_not_found")
+    assert_404(client.delete(f"/v1/files/{a_ids[0]}", headers=B), "file_not_found")
+    assert client.get(f"/v1/files/{a_ids[0]}", headers=A).status_code == 200  # still there
+    assert client.delete(f"/v1/files/{a_ids[0]}", headers=A).get_json()["deleted"] is True
+    assert listed(A) == [a_ids[1]] and listed(ADMIN).count(a_ids[0]) == 0
+
+
+def test_generated_files_are_the_tenants_and_count_unrefused(redis_url: str) -> None:
+    """A batch's output and error files carry the batch's tenant and count among its file
+    bytes, never refused by the limit (a batch's results are not lost); uploads then are."""
+    text = line("a") + "\n" + line("b") + "\n"
+    limit = len(text.encode())
+    client = make_app(redis_url, api_keys=KEYS, tenant_max_file_bytes=limit).test_client()
+    _fid, bid = make_batch(client, A)
+    bs = BatchStore(redis_url)
+    bs.fan_out(bid)
+    client.post(f"/v1/batches/{bid}/cancel", headers=A)
+    done = client.get(f"/v1/batches/{bid}", headers=A).get_json()
+    err_file = done["error_file_id"]
+    assert done["status"] == "cancelled" and err_file
+    assert bs.files.owner(err_file) == (True, "team-a")
+    size = client.get(f"/v1/files/{err_file}", headers=A).get_json()["bytes"]
+    assert bs.jobs.tenants.file_bytes("team-a", bs.files.key("")) == limit + size
+    assert [f["id"] for f in client.get("/v1/files?purpose=batch_output", headers=A).get_json()[
+        "data"]] == [err_file]  # fmt: skip
+    assert client.get("/v1/files?purpose=batch_output", headers=B).get_json()["data"] == []
+    check_429(upload(client, A, line("c") + "\n"))
+    assert upload(client, B, line("c") + "\n").status_code == 200
+
+
 # ----------------------------------------------------------------------------- limits
 def check_429(resp: Any) -> dict[str, Any]:
     assert resp.status_code == 429, (resp.status_code, resp.get_data(as_text=True))
