@@ -28,7 +28,7 @@ def create_app(config: ApiConfig | Mapping[str, Any] | None = None) -> Flask:
     app.json.sort_keys = False  # type: ignore[attr-defined]
     init_state(app, cfg)
     errors.register(app)
-    auth.register(app)
+    auth.register(app, cfg)
 
     @app.before_request
     def _limit_body() -> None:

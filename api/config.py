@@ -9,9 +9,16 @@ from typing import Any
 
 from pagedserve.redis_util import URL_ENV, default_url
 
-#: Comma-separated bearer tokens; when set, every endpoint but the health checks and the
-#: dashboard's static page needs ``Authorization: Bearer <key>``.
+#: Comma-separated API keys, each ``tenant:key``, ``tenant:sha256:<hex>`` (optionally ending in
+#: ``:admin``) or a bare ``key`` (tenant ``default``); see :mod:`api.auth`. When set, every endpoint
+#: but the health checks and the dashboard's static page needs ``Authorization: Bearer <key>``.
 API_KEYS_ENV = "PAGEDSERVE_API_KEYS"
+#: A file of API keys, one entry per line in the same forms (``#`` comments, blank lines).
+API_KEYS_FILE_ENV = "PAGEDSERVE_API_KEYS_FILE"
+#: Most open (queued or running) jobs per tenant; 0 or unset: no limit.
+TENANT_MAX_QUEUED_ENV = "PAGEDSERVE_TENANT_MAX_QUEUED"
+#: Most bytes of stored files per tenant; 0 or unset: no limit.
+TENANT_MAX_FILE_BYTES_ENV = "PAGEDSERVE_TENANT_MAX_FILE_BYTES"
 PREFIX_ENV = "PAGEDSERVE_PREFIX"
 
 MIB = 1024 * 1024
@@ -26,8 +33,17 @@ def parse_keys(value: str | None) -> tuple[str, ...]:
 class ApiConfig:
     redis_url: str = field(default_factory=default_url)
     prefix: str = "ps"
-    #: Accepted bearer tokens; empty: no authentication.
+    #: API key entries (see :data:`API_KEYS_ENV`); empty, with no keys file: no authentication.
     api_keys: tuple[str, ...] = ()
+    #: A file of more key entries, read once at start.
+    api_keys_file: str | None = None
+    #: Per-tenant limits (0: none); over them, 429 with ``Retry-After``.
+    tenant_max_queued: int = 0
+    tenant_max_file_bytes: int = 0
+    #: ``Retry-After`` (seconds) of a 429 for a tenant limit.
+    quota_retry_after_s: int = 2
+    #: How long the workers' context lengths (from their heartbeats) are cached per process.
+    context_cache_s: float = 2.0
     #: Largest request body (file uploads, with multipart overhead); Flask answers 413 above it.
     max_content_length: int = 65 * MIB
     #: Largest uploaded batch file (files live in Redis memory).
@@ -49,6 +65,9 @@ class ApiConfig:
             redis_url=os.environ.get(URL_ENV) or default_url(),
             prefix=os.environ.get(PREFIX_ENV, "ps"),
             api_keys=parse_keys(os.environ.get(API_KEYS_ENV)),
+            api_keys_file=os.environ.get(API_KEYS_FILE_ENV) or None,
+            tenant_max_queued=int(os.environ.get(TENANT_MAX_QUEUED_ENV) or 0),
+            tenant_max_file_bytes=int(os.environ.get(TENANT_MAX_FILE_BYTES_ENV) or 0),
         )
         return base.with_overrides(overrides)
 

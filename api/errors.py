@@ -5,7 +5,6 @@ The shape is OpenAI's, so its client raises the right exception classes with our
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
@@ -13,6 +12,8 @@ import redis
 from flask import Flask, Request, Response, jsonify
 from pydantic import ValidationError
 from werkzeug.exceptions import HTTPException
+
+from pagedserve import jsonsafe
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,11 @@ class ApiError(Exception):
         self.code = code or _HTTP_CODES.get(status, ("error", "api_error"))[0]
         self.param = param
         self.headers = headers or {}
+
+
+def quota_error(message: str, retry_after_s: int, code: str = "tenant_limit") -> ApiError:
+    """429 with ``Retry-After`` for a tenant limit."""
+    return ApiError(429, message, code, headers={"Retry-After": str(max(1, retry_after_s))})
 
 
 def error_body(
@@ -106,9 +112,10 @@ def json_body(request: Request) -> dict[str, Any]:
     if not raw:
         raise ApiError(400, "the request body is empty; expected a JSON object", "invalid_json")
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ApiError(400, f"the request body is not valid JSON: {e}", "invalid_json") from None
+        body = jsonsafe.loads(raw)  # bounded nesting, no lone surrogates (pagedserve.jsonsafe)
+    except jsonsafe.JsonInputError as e:
+        verb = "is" if e.code == "invalid_json" else "has"
+        raise ApiError(400, f"the request body {verb} {e.message}", e.code) from None
     if not isinstance(body, dict):
         raise ApiError(400, f"expected a JSON object, got {type(body).__name__}", "invalid_json")
     return body

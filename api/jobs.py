@@ -9,10 +9,13 @@ from typing import Any
 
 from flask import Blueprint, Response, request, stream_with_context, url_for
 
-from api.errors import ApiError, json_body
-from api.state import AppState, get_state
+from api import auth
+from api.errors import ApiError, json_body, quota_error
+from api.state import AppState, ContextLimits, get_state
 from pagedserve.client import new_job_id
-from pagedserve.schemas import DeltaEvent, JobRecord, JobRequest, JobStatus
+from pagedserve.schemas import MAX_IDEMPOTENCY_KEY, DeltaEvent, JobRecord, JobRequest, JobStatus
+from pagedserve.store import check_client_request
+from pagedserve.tenants import DEFAULT_TENANT
 
 bp = Blueprint("jobs", __name__)
 
@@ -23,6 +26,14 @@ JOB_ID_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 def check_job_id(job_id: str) -> str:
     if not JOB_ID_RE.match(job_id):
         raise ApiError(404, f"job {job_id[:140]!r} not found", "job_not_found")
+    return job_id
+
+
+def require_job(job_id: str) -> str:
+    """The id, if the job exists and the caller may see it; else 404 (also for another
+    tenant's job: its existence is not revealed)."""
+    exists, tenant = get_state().store.owner(check_job_id(job_id))
+    auth.require_visible(exists, tenant, "job", job_id)
     return job_id
 
 
@@ -40,19 +51,98 @@ def progress_of(rec: JobRecord) -> dict[str, Any]:
 
 def job_json(rec: JobRecord) -> dict[str, Any]:
     out = rec.model_dump(mode="json")
+    idem = out["request"].get("idempotency_key")
+    if rec.tenant and idem and idem.startswith(rec.tenant + "/"):
+        out["request"]["idempotency_key"] = idem[len(rec.tenant) + 1 :]
     out["object"] = "job"
     out["progress"] = progress_of(rec)
     return out
 
 
+def prompt_tokens(req: JobRequest, lim: ContextLimits) -> tuple[int, str] | None:
+    """The prompt's token count (ids) or a lower bound (text): (count, how it was counted).
+
+    A text of N UTF-8 bytes has at least ceil(N / max_token_bytes) tokens (no token stands for
+    more bytes). Chat contents count stripped (templates may trim them); the template's own text
+    only adds tokens. ``None`` when text cannot be bounded (no ``max_token_bytes`` published)."""
+    if isinstance(req.prompt, list):
+        return len(req.prompt), f"{len(req.prompt)} tokens"
+    if not lim.max_token_bytes:
+        return None
+    if isinstance(req.prompt, str):
+        size = len(req.prompt.encode("utf-8"))
+    else:
+        size = sum(len(m.content.strip().encode("utf-8")) for m in req.messages or ())
+    n = -(-size // lim.max_token_bytes)
+    return n, f"at least {n} tokens ({size} bytes of text)"
+
+
+def check_context(state: AppState, req: JobRequest) -> None:
+    """400 for a prompt that cannot fit the served model's context, with ``max_tokens`` (or at
+    least one token) after it. The context comes from the workers' heartbeats; with no live
+    worker nothing is checked here (the worker refuses what cannot fit)."""
+    lim = state.context_limits(req.model)
+    counted = prompt_tokens(req, lim) if lim is not None else None
+    if lim is None or counted is None:
+        return
+    n, how = counted
+    if n + (req.params.max_tokens or 1) <= lim.max_model_len:
+        return
+    asked = f" + max_tokens {req.params.max_tokens}" if req.params.max_tokens else ""
+    raise ApiError(
+        400,
+        f"the prompt has {how}{asked}: more than the model's context length of "
+        f"{lim.max_model_len} tokens",
+        "context_length_exceeded",
+        "prompt" if req.prompt is not None else "messages",
+    )
+
+
+def tenant_request(req: JobRequest, tenant: str | None) -> JobRequest:
+    """Idempotency keys are per tenant: another tenant's key never names our job."""
+    if tenant is None or tenant == DEFAULT_TENANT or req.idempotency_key is None:
+        return req
+    key = f"{tenant}/{req.idempotency_key}"
+    if len(key) > MAX_IDEMPOTENCY_KEY:
+        room = MAX_IDEMPOTENCY_KEY - len(tenant) - 1
+        raise ApiError(
+            422,
+            f"idempotency_key: at most {room} characters for tenant {tenant!r}",
+            "validation_error",
+            "idempotency_key",
+        )
+    return req.model_copy(update={"idempotency_key": key})
+
+
+def _reserve(state: AppState, tenant: str | None, job_id: str) -> bool:
+    """Reserve a place among the tenant's open jobs (429 over the limit); whether one was."""
+    limit = state.config.tenant_max_queued
+    if tenant is None or limit <= 0:
+        return False
+    ok, n = state.store.tenants.admit_job(tenant, job_id, limit)
+    if not ok:
+        raise quota_error(
+            f"tenant {tenant!r} has {n} open jobs; the limit is {limit}: retry later",
+            state.config.quota_retry_after_s,
+        )
+    return True
+
+
 @bp.post("/v1/jobs")
 def submit() -> tuple[dict[str, Any], int, dict[str, str]]:
     req = JobRequest.model_validate(json_body(request))
-    store = get_state().store
     try:
-        job_id, created = store.enqueue(new_job_id(), req)
-    except ValueError as e:  # a reserved name (pagedserve.store.check_client_request)
+        check_client_request(req)  # before the tenant's prefix goes on its idempotency key
+    except ValueError as e:  # a reserved name
         raise ApiError(400, str(e), "reserved_name") from None
+    state = get_state()
+    check_context(state, req)
+    store, tenant = state.store, auth.owned_tenant()
+    new_id = new_job_id()
+    reserved = _reserve(state, tenant, new_id)
+    job_id, created = store.enqueue(new_id, tenant_request(req, tenant), tenant=tenant)
+    if reserved and not created:  # an idempotent repeat: the reservation is not needed
+        store.tenants.unreserve(tenant or "", new_id)
     status = store.status(job_id)
     body = {"id": job_id, "object": "job", "status": status.value, "created": created}
     return body, 202, {"Location": url_for("jobs.get_job", job_id=job_id)}
@@ -61,14 +151,14 @@ def submit() -> tuple[dict[str, Any], int, dict[str, str]]:
 @bp.get("/v1/jobs/<job_id>")
 def get_job(job_id: str) -> dict[str, Any]:
     rec = get_state().store.get(check_job_id(job_id))
-    if rec is None:
-        raise ApiError(404, f"job {job_id!r} not found", "job_not_found")
+    auth.require_visible(rec is not None, rec.tenant if rec else None, "job", job_id)
+    assert rec is not None
     return job_json(rec)
 
 
 @bp.delete("/v1/jobs/<job_id>")
 def cancel_job(job_id: str) -> dict[str, Any]:
-    status = get_state().store.cancel(check_job_id(job_id))
+    status = get_state().store.cancel(require_job(job_id))
     if status == JobStatus.NOT_FOUND:
         raise ApiError(404, f"job {job_id!r} not found", "job_not_found")
     return {"id": job_id, "object": "job", "status": status.value}
@@ -120,7 +210,7 @@ def follow(state: AppState, job_id: str, last: str) -> Iterator[str]:
 @bp.get("/v1/jobs/<job_id>/events")
 def job_events(job_id: str) -> Response:
     state = get_state()
-    if state.store.status(check_job_id(job_id)) == JobStatus.NOT_FOUND:
+    if state.store.status(require_job(job_id)) == JobStatus.NOT_FOUND:
         raise ApiError(404, f"job {job_id!r} not found", "job_not_found")
     last = request.headers.get("Last-Event-ID") or request.args.get("after") or "0-0"
     if not re.match(r"^\d+-\d+$", last):

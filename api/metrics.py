@@ -20,8 +20,9 @@ from prometheus_client.core import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from api.state import AppState, WorkerView, get_state
-from api.status import state_counts
+from api.status import state_counts, tenant_usage
 from pagedserve.telemetry import Histogram
+from pagedserve.tenants import TenantUsage
 
 bp = Blueprint("metrics", __name__)
 
@@ -94,11 +95,33 @@ def worker_counters(views: list[WorkerView]) -> Iterator[Metric]:
     yield finished
 
 
-class PagedServeCollector:
-    """Reads Redis once per scrape."""
+def tenant_series(usage: list[TenantUsage]) -> Iterator[Metric]:
+    """Per-tenant series, labelled ``tenant``."""
 
-    def __init__(self, state: AppState) -> None:
+    def family(kind: type, name: str, doc: str, attr: str) -> Metric:
+        fam = kind(P + name, doc, labels=["tenant"])
+        for u in usage:
+            fam.add_metric([u.tenant], getattr(u, attr))
+        return fam
+
+    yield family(GaugeMetricFamily, "tenant_queue_depth", "Jobs queued per tenant.", "queued")
+    yield family(GaugeMetricFamily, "tenant_num_requests_running",
+                 "Jobs running per tenant.", "running")  # fmt: skip
+    yield family(CounterMetricFamily, "tenant_generation_tokens",
+                 "Output tokens generated per tenant (ended jobs and running ones).",
+                 "tokens_generated")  # fmt: skip
+    yield family(CounterMetricFamily, "tenant_jobs_finished", "Jobs ended per tenant.",
+                 "jobs_finished")  # fmt: skip
+    yield family(GaugeMetricFamily, "tenant_file_bytes", "Bytes of stored files per tenant.",
+                 "file_bytes")  # fmt: skip
+
+
+class PagedServeCollector:
+    """Reads Redis once per scrape. ``usage``: the tenants the caller may see."""
+
+    def __init__(self, state: AppState, usage: list[TenantUsage] | None = None) -> None:
         self.state = state
+        self.usage = usage or []
 
     def collect(self) -> Iterator[Metric]:
         queues = self.state.store.queue_lengths()
@@ -112,18 +135,20 @@ class PagedServeCollector:
         yield GaugeMetricFamily(P + "num_workers", "Live workers.", value=len(views))
         yield from worker_gauges(views)
         yield from worker_counters(views)
+        yield from tenant_series(self.usage)
         yield histogram("time_to_first_token_seconds", "Time to first token in seconds.",
                         views, "time_to_first_token_seconds")  # fmt: skip
         yield histogram("e2e_request_latency_seconds", "End-to-end job latency in seconds.",
                         views, "e2e_request_latency_seconds")  # fmt: skip
 
 
-def render(state: AppState) -> bytes:
+def render(state: AppState, usage: list[TenantUsage] | None = None) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(PagedServeCollector(state))  # type: ignore[arg-type]
+    registry.register(PagedServeCollector(state, usage))  # type: ignore[arg-type]
     return generate_latest(registry)
 
 
 @bp.get("/metrics")
 def metrics() -> Response:
-    return Response(render(get_state()), content_type=CONTENT_TYPE_LATEST)
+    state = get_state()
+    return Response(render(state, tenant_usage(state)), content_type=CONTENT_TYPE_LATEST)

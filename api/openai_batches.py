@@ -21,10 +21,14 @@ from typing import Any, Literal
 from flask import Blueprint, Response, request, stream_with_context
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.errors import ApiError, json_body
+from api import auth
+from api.errors import ApiError, json_body, quota_error
 from api.state import AppState, get_state
+from pagedserve.batch_checks import count_lines, limit_errors, too_many
 from pagedserve.batches import MAX_TTL_S, MIN_TTL_S, BatchStore, FileObject, check_ttl, parse_window
-from pagedserve.openai_format import ENDPOINTS, parse_file
+from pagedserve.openai_format import ENDPOINTS, LineError, parse_file
+from pagedserve.schemas import Metadata
+from pagedserve.tenants import QuotaExceeded
 
 bp = Blueprint("openai", __name__)
 
@@ -45,12 +49,12 @@ class ExpiresAfter(BaseModel):
 
 
 class BatchCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     input_file_id: str = Field(min_length=1, max_length=128)
     endpoint: str
     completion_window: str = "24h"
-    metadata: dict[str, str] | None = Field(None, max_length=16)
+    metadata: Metadata | None = None
     output_expires_after: ExpiresAfter | None = None
 
 
@@ -103,14 +107,35 @@ def _upload_ttl() -> int | None:
 
 
 # ----------------------------------------------------------------------------- files
-def _upload_errors(text: str, known_models: list[str]) -> None:
-    parsed = parse_file(text, known_models=known_models)
-    errs = parsed.format_errors
-    if not errs:
-        return
+def _refuse(errs: list[LineError]) -> None:
     listed = "; ".join(f"line {e.line}: {e.code}: {e.message}" for e in errs[:MAX_LISTED_ERRORS])
     more = f" (and {len(errs) - MAX_LISTED_ERRORS} more)" if len(errs) > MAX_LISTED_ERRORS else ""
     raise ApiError(400, f"invalid batch file: {listed}{more}", "invalid_batch_file", "file")
+
+
+def _upload_errors(text: str, known_models: list[str]) -> None:
+    """400 naming the lines at fault: too many requests (counted before parsing any), lines
+    that are not batch requests, lines whose model differs from the first line's."""
+    over = too_many(count_lines(text))
+    if over is not None:
+        _refuse([over])
+    parsed = parse_file(text, known_models=known_models)
+    errs = parsed.format_errors + limit_errors(parsed)
+    if errs:
+        _refuse(sorted(errs, key=lambda e: e.line))
+
+
+def require_file(store: BatchStore, file_id: str) -> str:
+    """404 unless the file exists and the caller may see it."""
+    exists, tenant = store.files.owner(check_id("file", file_id))
+    auth.require_visible(exists, tenant, "file", file_id)
+    return file_id
+
+
+def require_batch(store: BatchStore, batch_id: str) -> str:
+    exists, tenant = store.owner(check_id("batch", batch_id))
+    auth.require_visible(exists, tenant, "batch", batch_id)
+    return batch_id
 
 
 @bp.post("/v1/files")
@@ -132,12 +157,24 @@ def upload_file() -> dict[str, Any]:
         raise ApiError(
             400, f"the file is not UTF-8 text: {e}", "invalid_batch_file", "file"
         ) from None
-    store = batches(get_state())
+    state = get_state()
+    store = batches(state)
     ttl = _upload_ttl()
     _upload_errors(text, store.known_models)
+    name = upload.filename or "upload.jsonl"
+    limit = state.config.tenant_max_file_bytes
     try:
-        name = upload.filename or "upload.jsonl"
-        f = store.files.create(data, name, purpose="batch", expires_after_s=ttl)
+        f = store.files.create(
+            data,
+            name,
+            purpose="batch",
+            expires_after_s=ttl,
+            tenant=auth.owned_tenant(),
+            tenant_max_bytes=limit,
+        )
+    except QuotaExceeded as e:
+        msg = f"this file would bring the tenant's stored files to {e.used} bytes; the limit is"
+        raise quota_error(f"{msg} {e.limit}", state.config.quota_retry_after_s) from None
     except ValueError as e:
         raise ApiError(400, str(e), "invalid_file", "file") from None
     return file_json(f)
@@ -145,7 +182,8 @@ def upload_file() -> dict[str, Any]:
 
 @bp.get("/v1/files/<file_id>")
 def get_file(file_id: str) -> dict[str, Any]:
-    f = batches(get_state()).files.get(check_id("file", file_id))
+    store = batches(get_state())
+    f = store.files.get(require_file(store, file_id))
     if f is None:
         raise ApiError(404, f"file {file_id!r} not found", "file_not_found")
     return file_json(f)
@@ -156,8 +194,9 @@ def list_files() -> dict[str, Any]:
     limit = _limit(default=10_000, most=10_000)
     after = request.args.get("after") or None
     purpose = request.args.get("purpose") or None
+    files = batches(get_state()).files
     try:
-        page = batches(get_state()).files.list(purpose=purpose, after=after, limit=limit)
+        page = files.list(purpose=purpose, after=after, limit=limit, tenant=auth.list_scope())
     except KeyError:
         raise ApiError(
             404, f"file {after!r} (after) not found", "file_not_found", "after"
@@ -168,14 +207,16 @@ def list_files() -> dict[str, Any]:
 
 @bp.delete("/v1/files/<file_id>")
 def delete_file(file_id: str) -> dict[str, Any]:
-    if not batches(get_state()).files.delete(check_id("file", file_id)):
+    store = batches(get_state())
+    if not store.files.delete(require_file(store, file_id)):
         raise ApiError(404, f"file {file_id!r} not found", "file_not_found")
     return {"id": file_id, "object": "file", "deleted": True}
 
 
 @bp.get("/v1/files/<file_id>/content")
 def file_content(file_id: str) -> Response:
-    pieces = batches(get_state()).files.iter_content(check_id("file", file_id))
+    store = batches(get_state())
+    pieces = store.files.iter_content(require_file(store, file_id))
     if pieces is None:
         raise ApiError(404, f"file {file_id!r} not found", "file_not_found")
     return Response(stream_with_context(pieces), mimetype="application/jsonl")
@@ -187,6 +228,19 @@ def batch_json(store: BatchStore, batch_id: str) -> dict[str, Any]:
     if b is None:
         raise ApiError(404, f"batch {batch_id!r} not found", "batch_not_found")
     return b.model_dump(mode="json")
+
+
+def _check_open_jobs(state: AppState, tenant: str | None) -> None:
+    """A tenant at its open-jobs limit cannot start a batch either (429)."""
+    limit = state.config.tenant_max_queued
+    if tenant is None or limit <= 0:
+        return
+    n = state.store.tenants.open_jobs(tenant)
+    if n >= limit:
+        raise quota_error(
+            f"tenant {tenant!r} has {n} open jobs; the limit is {limit}: retry later",
+            state.config.quota_retry_after_s,
+        )
 
 
 @bp.post("/v1/batches")
@@ -203,7 +257,13 @@ def create_batch() -> dict[str, Any]:
         raise ApiError(400, str(e), "invalid_completion_window", "completion_window") from None
     state = get_state()
     store = batches(state)
-    check_id("file", body.input_file_id)
+    exists, owner = store.files.owner(check_id("file", body.input_file_id))
+    if not exists or not auth.visible(owner, auth.caller()):
+        raise ApiError(
+            404, f"file {body.input_file_id!r} not found", "file_not_found", "input_file_id"
+        )
+    tenant = auth.owned_tenant()
+    _check_open_jobs(state, tenant)
     ttl = body.output_expires_after.seconds if body.output_expires_after else None
     try:
         b = store.create(
@@ -212,6 +272,7 @@ def create_batch() -> dict[str, Any]:
             body.completion_window,
             body.metadata,
             output_expires_after_s=ttl,
+            tenant=tenant,
         )
     except KeyError:
         raise ApiError(
@@ -225,7 +286,8 @@ def create_batch() -> dict[str, Any]:
 
 @bp.get("/v1/batches/<batch_id>")
 def get_batch(batch_id: str) -> dict[str, Any]:
-    return batch_json(batches(get_state()), check_id("batch", batch_id))
+    store = batches(get_state())
+    return batch_json(store, require_batch(store, batch_id))
 
 
 def _limit(default: int = 20, most: int = 100) -> int:
@@ -244,7 +306,7 @@ def list_batches() -> dict[str, Any]:
     limit = _limit()
     after = request.args.get("after") or None
     try:
-        return batches(get_state()).list(after=after, limit=limit)
+        return batches(get_state()).list(after=after, limit=limit, tenant=auth.list_scope())
     except KeyError:
         raise ApiError(
             404, f"batch {after!r} (after) not found", "batch_not_found", "after"
@@ -254,7 +316,7 @@ def list_batches() -> dict[str, Any]:
 @bp.post("/v1/batches/<batch_id>/cancel")
 def cancel_batch(batch_id: str) -> dict[str, Any]:
     store = batches(get_state())
-    b = store.cancel(check_id("batch", batch_id))
+    b = store.cancel(require_batch(store, batch_id))
     if b is None:
         raise ApiError(404, f"batch {batch_id!r} not found", "batch_not_found")
     return b.model_dump(mode="json")

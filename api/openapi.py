@@ -73,6 +73,12 @@ def paths() -> dict[str, Any]:
         "/v1/pool": {"get": _op("KV pool occupancy per live worker", {"200": _json(OBJ)})},
         "/v1/workers": {"get": _op("Live workers and their running jobs", {"200": _json(OBJ)})},
         "/v1/queues": {"get": _op("Queue depth per priority", {"200": _json(OBJ)})},
+        "/v1/tenants": {
+            "get": _op(
+                "Queue depth, tokens and file bytes per tenant (own; all for an admin)",
+                {"200": _json(OBJ)},
+            )
+        },
         "/metrics": {
             "get": _op(
                 "Prometheus text exposition",

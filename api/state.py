@@ -45,6 +45,50 @@ class StepMemory:
             return now - prev[1]
 
 
+@dataclass(frozen=True)
+class ContextLimits:
+    """What the workers serving a model publish about its context (the smallest over workers).
+
+    ``max_token_bytes``: most UTF-8 bytes of text one token of the vocabulary stands for, so a
+    text of N bytes has at least ceil(N / max_token_bytes) tokens (``None`` if not published).
+    """
+
+    max_model_len: int
+    max_token_bytes: int | None = None
+
+
+@dataclass
+class ContextCache:
+    """Per model (and ``None``: any model): the limits, refreshed every ``context_cache_s``."""
+
+    at: float = -1e9
+    limits: dict[str | None, ContextLimits] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _positive_int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+
+def context_limits_of(workers: dict[str, dict[str, Any]]) -> dict[str | None, ContextLimits]:
+    """Smallest ``max_model_len`` / ``max_token_bytes`` per served model and over all workers."""
+    out: dict[str | None, ContextLimits] = {}
+    for fields in workers.values():
+        mml = _positive_int(fields.get("max_model_len"))
+        if mml is None:
+            continue
+        mtb = _positive_int(fields.get("max_token_bytes"))
+        model = fields.get("model") if isinstance(fields.get("model"), str) else None
+        for key in {model, None}:
+            cur = out.get(key)
+            if cur is None:
+                out[key] = ContextLimits(mml, mtb)
+            else:
+                both = [x for x in (cur.max_token_bytes, mtb) if x is not None]
+                out[key] = ContextLimits(min(cur.max_model_len, mml), max(both, default=None))
+    return out
+
+
 @dataclass
 class AppState:
     config: ApiConfig
@@ -53,6 +97,17 @@ class AppState:
     memory: StepMemory = field(default_factory=StepMemory)
     #: Lazily built helpers (batch store, Celery app for sending tasks).
     extras: dict[str, Any] = field(default_factory=dict)
+    contexts: ContextCache = field(default_factory=ContextCache)
+
+    def context_limits(self, model: str | None) -> ContextLimits | None:
+        """The context of the live workers serving ``model`` (any, for ``None``); ``None`` if no
+        live worker publishes one. Cached for ``config.context_cache_s``."""
+        now = time.monotonic()
+        with self.contexts.lock:
+            if now - self.contexts.at > self.config.context_cache_s:
+                self.contexts.limits = context_limits_of(self.store.workers())
+                self.contexts.at = now
+            return self.contexts.limits.get(model)
 
     def redis_now(self) -> float:
         sec, usec = self.r.time()

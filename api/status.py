@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 import redis
 from flask import Blueprint, Response, jsonify
 
+from api import auth
 from api.state import AppState, WorkerView, get_state
 from pagedserve.telemetry import BLOCK_CACHED, BLOCK_FREE, BLOCK_IN_USE, BLOCK_SHARED
+from pagedserve.tenants import TenantUsage
 
 health = Blueprint("health", __name__)
 bp = Blueprint("status", __name__)
@@ -157,7 +160,40 @@ def pool() -> dict[str, Any]:
     return {"object": "pool", "workers": workers, "queues": state.store.queue_lengths()}
 
 
+def hide_other_tenants(state: AppState, data: list[dict[str, Any]]) -> None:
+    """Drop running jobs of other tenants from the workers' job lists (ids are not shown to
+    someone who would get 404 for them)."""
+    who = auth.caller()
+    if who is None or who.admin:
+        return
+    ids = [j["id"] for w in data for j in w["jobs"]]
+    pipe = state.r.pipeline(transaction=False)
+    for jid in ids:
+        pipe.hget(state.store.keys.job(jid), "tenant")
+    owners = dict(zip(ids, pipe.execute(), strict=True)) if ids else {}
+    for w in data:
+        w["jobs"] = [j for j in w["jobs"] if auth.visible(owners.get(j["id"]), who)]
+
+
 @bp.get("/v1/workers")
 def workers() -> dict[str, Any]:
-    views = get_state().live_workers()
-    return {"object": "list", "data": [worker_json(w) for w in views]}
+    state = get_state()
+    data = [worker_json(w) for w in state.live_workers()]
+    hide_other_tenants(state, data)
+    return {"object": "list", "data": data}
+
+
+def tenant_usage(state: AppState) -> list[TenantUsage]:
+    """Usage of every tenant the caller may see (its own; all for an admin or when open)."""
+    scope = auth.list_scope()
+    book = state.store.tenants
+    names = book.tenants() if scope is None else [scope]
+    files = f"{state.config.prefix}:file:"
+    return [book.usage(t, files) for t in names]
+
+
+@bp.get("/v1/tenants")
+def tenants() -> dict[str, Any]:
+    """Queue depth, running jobs, generated tokens and stored file bytes per tenant."""
+    rows = [{"object": "tenant", **asdict(u)} for u in tenant_usage(get_state())]
+    return {"object": "list", "data": rows}

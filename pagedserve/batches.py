@@ -47,6 +47,7 @@ from typing import Any, Literal
 import redis
 from pydantic import BaseModel, ConfigDict, Field
 
+from pagedserve.batch_checks import limit_errors
 from pagedserve.keys import Keys
 from pagedserve.openai_format import (
     BATCH_CANCELLED,
@@ -59,6 +60,7 @@ from pagedserve.openai_format import (
 )
 from pagedserve.schemas import JobRequest, JobResult
 from pagedserve.store import BatchRef, JobStore, LineAdd, batch_line
+from pagedserve.tenants import ADMIT_FILE, DEFAULT_TENANT, QuotaExceeded
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,8 @@ DEFAULT_MAX_FILE_BYTES = 64 * 1024 * 1024
 ENQUEUE_CHUNK = 2000
 #: Lines per chunk of a generated file (one LRANGE and one RPUSH each).
 FILE_CHUNK_LINES = 1000
+#: Entries read per round trip when a file listing is filtered by tenant (others' are skipped).
+LIST_SCAN_WINDOW = 1000
 #: Environment variable listing served models (comma-separated); empty accepts any model.
 MODELS_ENV = "PAGEDSERVE_MODELS"
 #: How often ``finalize_ready`` reconciles an in-progress batch whose counts are short (s).
@@ -176,6 +180,7 @@ class FileStore:
         self.keys = Keys(prefix)
         self.max_bytes = max_bytes
         self.ttl_s = ttl_s
+        self._admit_file = r.register_script(ADMIT_FILE)
 
     def key(self, file_id: str) -> str:
         return self.keys.file(file_id)
@@ -193,10 +198,12 @@ class FileStore:
             expires_at=now + (self.ttl_s if ttl_s is None else ttl_s),
         )
 
-    def _register(self, pipe: redis.client.Pipeline, f: FileObject) -> None:
-        """Queue the meta, the listing entry and the TTL of ``f`` on ``pipe``."""
+    def _register(self, pipe: redis.client.Pipeline, f: FileObject, tenant: str | None) -> None:
+        """Queue the meta (and owner), the listing entry and the TTL of ``f`` on ``pipe``."""
         key = self.key(f.id)
         pipe.hset(key, "meta", f.model_dump_json())
+        if tenant is not None:
+            pipe.hset(key, "tenant", tenant)
         pipe.expireat(key, f.expires_at or 0)
         pipe.expireat(self.keys.file_chunks(f.id), f.expires_at or 0)
         pipe.zadd(self.keys.files, {f.id: self.r.incr(self.keys.files_seq)})
@@ -208,8 +215,13 @@ class FileStore:
         purpose: str = "batch",
         *,
         expires_after_s: int | None = None,
+        tenant: str | None = None,
+        tenant_max_bytes: int = 0,
     ) -> FileObject:
-        """Store an uploaded file (at most ``max_bytes``)."""
+        """Store an uploaded file (at most ``max_bytes``); with ``tenant``, it is the file's owner
+        (its own ``tenant`` field) and the file counts against the tenant's ``tenant_max_bytes``
+        (0: no limit): over it, the file is removed again and
+        :class:`~pagedserve.tenants.QuotaExceeded` raised."""
         data = content.encode() if isinstance(content, str) else content
         if len(data) > self.max_bytes:
             raise ValueError(f"file is {len(data)} bytes; the limit is {self.max_bytes}")
@@ -220,15 +232,25 @@ class FileStore:
         obj = self._new(len(data), filename, purpose, expires_after_s)
         pipe = self.r.pipeline(transaction=True)
         pipe.hset(self.key(obj.id), "content", text)
-        self._register(pipe, obj)
+        self._register(pipe, obj, tenant)
         pipe.execute()
+        if tenant is not None:
+            self._count_bytes(obj, tenant, tenant_max_bytes)
         return obj
 
     def create_from_list(
-        self, lines_key: str, filename: str, purpose: str, *, expires_after_s: int | None = None
+        self,
+        lines_key: str,
+        filename: str,
+        purpose: str,
+        *,
+        expires_after_s: int | None = None,
+        tenant: str | None = None,
     ) -> FileObject | None:
         """A generated file made of the lines of the Redis list ``lines_key`` (one per line),
-        copied in chunks of :data:`FILE_CHUNK_LINES` (no size cap); ``None`` for an empty list."""
+        copied in chunks of :data:`FILE_CHUNK_LINES` (no size cap); ``None`` for an empty list.
+        With ``tenant`` the file is that tenant's and its bytes count among the tenant's, never
+        refused (a batch's results are not lost to the limit)."""
         n = self.r.llen(lines_key)
         if n == 0:
             return None
@@ -243,9 +265,27 @@ class FileStore:
             self.r.expire(chunks, MAX_TTL_S)  # bounded even if this process dies midway
         obj = self._new(size, filename, purpose, expires_after_s).model_copy(update={"id": file_id})
         pipe = self.r.pipeline(transaction=True)
-        self._register(pipe, obj)
+        self._register(pipe, obj, tenant)
         pipe.execute()
+        if tenant is not None:
+            self._count_bytes(obj, tenant, 0)
         return obj
+
+    def _count_bytes(self, obj: FileObject, tenant: str, limit: int) -> None:
+        """Count a file just written among its tenant's bytes (after it exists: the count drops
+        entries whose file is gone); over ``limit`` (0: none) it is deleted again."""
+        keys = [self.keys.tenant_files(tenant), self.keys.tenants]
+        ok, total = self._admit_file(
+            keys=keys, args=[self.key(""), obj.id, obj.bytes, limit, tenant]
+        )
+        if not ok:
+            self.delete(obj.id)
+            raise QuotaExceeded("file bytes", int(total) + obj.bytes, limit)
+
+    def owner(self, file_id: str) -> tuple[bool, str | None]:
+        """(whether the file exists, its tenant) in one round trip."""
+        meta, tenant = self.r.hmget(self.key(file_id), "meta", "tenant")
+        return meta is not None, tenant
 
     def get(self, file_id: str) -> FileObject | None:
         meta = self.r.hget(self.key(file_id), "meta")
@@ -282,34 +322,48 @@ class FileStore:
         deleted, _ = pipe.execute()
         return bool(deleted)
 
+    def _after_rank(self, after: str, tenant: str | None) -> int:
+        """Where the page after ``after`` starts; ``KeyError`` for an id not listed (or, with
+        ``tenant``, another tenant's: its id is not revealed)."""
+        rank = self.r.zrevrank(self.keys.files, after)
+        meta, owner = self.r.hmget(self.key(after), "meta", "tenant")
+        foreign = tenant is not None and meta is not None and (owner or DEFAULT_TENANT) != tenant
+        if rank is None or foreign:
+            raise KeyError(f"file {after} not found")
+        return rank + 1
+
     def list(
-        self, purpose: str | None = None, after: str | None = None, limit: int = 20
+        self,
+        purpose: str | None = None,
+        after: str | None = None,
+        limit: int = 20,
+        *,
+        tenant: str | None = None,
     ) -> dict[str, Any]:
         """OpenAI's list shape, newest first; ``after`` is the last id of the previous page.
-        Entries of expired files are dropped from the listing as they are met."""
+        Entries of expired files are dropped from the listing as they are met. With ``tenant``,
+        only that tenant's files (one without a ``tenant`` field is the default tenant's)."""
         limit = max(1, min(limit, 10_000))
-        start = 0
-        if after is not None:
-            rank = self.r.zrevrank(self.keys.files, after)
-            if rank is None:
-                raise KeyError(f"file {after} not found")
-            start = rank + 1
+        start = 0 if after is None else self._after_rank(after, tenant)
+        window = 2 * limit if tenant is None else max(2 * limit, LIST_SCAN_WINDOW)
         page: list[FileObject] = []
         more = False
         while not more:
-            ids = self.r.zrevrange(self.keys.files, start, start + 2 * limit)
+            ids = self.r.zrevrange(self.keys.files, start, start + window)
             if not ids:
                 break
             pipe = self.r.pipeline(transaction=False)
             for fid in ids:
-                pipe.hget(self.key(fid), "meta")
+                pipe.hmget(self.key(fid), "meta", "tenant")
             gone = []
-            for fid, meta in zip(ids, pipe.execute(), strict=True):
+            for fid, (meta, owner) in zip(ids, pipe.execute(), strict=True):
                 if meta is None:
                     gone.append(fid)
                     continue
+                if more or (tenant is not None and (owner or DEFAULT_TENANT) != tenant):
+                    continue
                 f = FileObject.model_validate_json(meta)
-                if more or (purpose is not None and f.purpose != purpose):
+                if purpose is not None and f.purpose != purpose:
                     continue
                 if len(page) == limit:
                     more = True
@@ -380,9 +434,12 @@ class BatchStore:
         metadata: dict[str, str] | None = None,
         *,
         output_expires_after_s: int | None = None,
+        tenant: str | None = None,
     ) -> Batch:
         """A new batch (``validating``); its output files and, once it ends, its records expire
-        ``output_expires_after_s`` after they are written (default 30 days)."""
+        ``output_expires_after_s`` after they are written (default 30 days). ``tenant`` is
+        written as its own field, listed in the tenant's index, copied onto its jobs and output
+        files."""
         if endpoint not in ENDPOINTS:
             raise ValueError(f"endpoint must be one of {ENDPOINTS}, got {endpoint!r}")
         window = parse_window(completion_window)
@@ -409,6 +466,9 @@ class BatchStore:
         pipe = self.r.pipeline(transaction=True)
         pipe.hset(self.keys.batch(b.id), mapping=self._fields(b))
         pipe.hset(self.keys.batch(b.id), mapping=counts)
+        if tenant is not None:
+            pipe.hset(self.keys.batch(b.id), "tenant", tenant)
+            pipe.zadd(self.keys.tenant_batches(tenant), {b.id: seq})
         pipe.zadd(self.index_key, {b.id: seq})
         pipe.sadd(self.active_key, b.id)
         pipe.execute()
@@ -439,17 +499,26 @@ class BatchStore:
     def _ttl(self, batch_id: str) -> int:
         return int(self._field(batch_id, "output_ttl") or DEFAULT_FILE_TTL_S)
 
-    def list(self, after: str | None = None, limit: int = 20) -> dict[str, Any]:
+    def owner(self, batch_id: str) -> tuple[bool, str | None]:
+        """(whether the batch exists, its tenant) in one round trip."""
+        obj, tenant = self.r.hmget(self.keys.batch(batch_id), "obj", "tenant")
+        return obj is not None, tenant
+
+    def list(
+        self, after: str | None = None, limit: int = 20, *, tenant: str | None = None
+    ) -> dict[str, Any]:
         """Newest first; ``after`` is the last id of the previous page (expired batches are
-        dropped from the index as they are met)."""
+        dropped from the index as they are met). With ``tenant``, only that tenant's batches
+        (its own index: another tenant's id as ``after`` is not found)."""
         limit = max(1, min(limit, 100))
+        index = self.index_key if tenant is None else self.keys.tenant_batches(tenant)
         start = 0
         if after is not None:
-            rank = self.r.zrevrank(self.index_key, after)
+            rank = self.r.zrevrank(index, after)
             if rank is None:
                 raise KeyError(f"batch {after} not found")
             start = rank + 1
-        ids = self.r.zrevrange(self.index_key, start, start + limit)  # one extra: has_more
+        ids = self.r.zrevrange(index, start, start + limit)  # one extra: has_more
         page = ids[:limit]
         pipe = self.r.pipeline(transaction=False)
         for bid in page:
@@ -457,6 +526,7 @@ class BatchStore:
         found = [(bid, self._from_hash(h)) for bid, h in zip(page, pipe.execute(), strict=True)]
         gone = [bid for bid, b in found if b is None]
         if gone:
+            self.r.zrem(index, *gone)
             self.r.zrem(self.index_key, *gone)
         return {
             "object": "list",
@@ -519,10 +589,12 @@ class BatchStore:
         parsed = parse_file(
             content, endpoint=b.endpoint, known_models=self.known_models, batch_id=batch_id
         )
-        if parsed.format_errors:
-            return self._fail_validation(batch_id, parsed.format_errors)
+        fatal = parsed.format_errors or limit_errors(parsed)
+        if fatal:
+            return self._fail_validation(batch_id, fatal)
+        tenant = self._field(batch_id, "tenant")
         job_ids = self._enqueue(batch_id, [(x.request, x.custom_id, x.url, x.model)
-                                           for x in parsed.lines])  # fmt: skip
+                                           for x in parsed.lines], tenant=tenant)  # fmt: skip
         err_lines = [line_error_line(e, batch_id) for e in parsed.request_errors]
 
         def start(cur: Batch, pipe: redis.client.Pipeline) -> bool:
@@ -578,10 +650,14 @@ class BatchStore:
         return True
 
     def _enqueue(
-        self, batch_id: str, lines: Sequence[tuple[JobRequest, str, str, str]]
+        self,
+        batch_id: str,
+        lines: Sequence[tuple[JobRequest, str, str, str]],
+        tenant: str | None = None,
     ) -> list[str]:
-        """Queue (request, custom id, url, model) lines, chunk by chunk; stops early when the
-        batch is being cancelled. Returns the ids of the jobs queued."""
+        """Queue (request, custom id, url, model) lines, chunk by chunk, as jobs of ``tenant``
+        (the batch's); stops early when the batch is being cancelled. Returns the ids of the
+        jobs queued."""
         ids: list[str] = []
         for i in range(0, len(lines), ENQUEUE_CHUNK):
             if i and self._status(batch_id) != "validating":
@@ -589,7 +665,7 @@ class BatchStore:
             part = lines[i : i + ENQUEUE_CHUNK]
             jobs = [(uuid.uuid4().hex, req) for req, *_ in part]
             refs = [BatchRef(batch_id, cid, url, model) for _, cid, url, model in part]
-            ids += [got for got, _ in self.jobs.enqueue_many(jobs, batches=refs)]
+            ids += [got for got, _ in self.jobs.enqueue_many(jobs, batches=refs, tenant=tenant)]
         return ids
 
     def _status(self, batch_id: str) -> str | None:
@@ -740,13 +816,16 @@ class BatchStore:
         from its line lists, in chunks."""
         self.r.hset(self.keys.batch(batch_id), "closed", 1)
         ttl = self._ttl(batch_id)
+        tenant = self._field(batch_id, "tenant")
         ids: list[str | None] = []
         for key, kind in (
             (self.keys.batch_output(batch_id), "output"),
             (self.keys.batch_errors(batch_id), "error"),
         ):
             name = f"{batch_id}_{kind}.jsonl"
-            f = self.files.create_from_list(key, name, "batch_output", expires_after_s=ttl)
+            f = self.files.create_from_list(
+                key, name, "batch_output", expires_after_s=ttl, tenant=tenant
+            )
             ids.append(f.id if f is not None else None)
         return ids[0], ids[1]
 

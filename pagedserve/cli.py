@@ -45,6 +45,12 @@ def _parser() -> argparse.ArgumentParser:
         help=f"Redis URL (default: ${URL_ENV}, else {DEFAULT_URL})",
     )
     ap.add_argument("--prefix", default="ps", help="Redis key prefix (default: ps)")
+    ap.add_argument(
+        "--tenant",
+        default=None,
+        help="tenant written on the jobs, files and batches this command creates (default: none,"
+        " which the API reads as the 'default' tenant)",
+    )
     sub = ap.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("submit", help="queue one job; prints {id} (or the record with --wait)")
@@ -102,7 +108,7 @@ def _batch_parser(sub: Any) -> None:
 def _client(args: argparse.Namespace) -> Any:
     from pagedserve.client import Client
 
-    return Client(args.redis or default_url(), prefix=args.prefix)
+    return Client(args.redis or default_url(), prefix=args.prefix, tenant=args.tenant)
 
 
 def _submit(args: argparse.Namespace) -> int:
@@ -192,8 +198,9 @@ def _batch_submit(args: argparse.Namespace) -> int:
     with open(args.file, "rb") as fh:
         data = fh.read()
     try:
-        f = bs.files.create(data, os.path.basename(args.file))
-        b = bs.create(f.id, args.endpoint or _first_url(data), args.completion_window)
+        f = bs.files.create(data, os.path.basename(args.file), tenant=args.tenant)
+        endpoint = args.endpoint or _first_url(data)
+        b = bs.create(f.id, endpoint, args.completion_window, tenant=args.tenant)
     except (ValueError, KeyError) as e:
         _print({"error": str(e)})
         return 2
@@ -233,7 +240,7 @@ def _batch(args: argparse.Namespace) -> int:
         return _batch_submit(args)
     bs = _batch_store(args)
     if args.batch_command == "list":
-        _print(bs.list(after=args.after, limit=args.limit))
+        _print(bs.list(after=args.after, limit=args.limit, tenant=args.tenant))
         return 0
     if args.batch_command == "cancel":
         b = _celery(args).send_task("batches.cancel", [args.id]).get(timeout=60)

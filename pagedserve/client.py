@@ -15,6 +15,7 @@ from pagedserve.keys import Priority
 from pagedserve.params import SamplingParams
 from pagedserve.schemas import ChatMessage, DeltaEvent, JobRecord, JobRequest, JobStatus
 from pagedserve.store import JobStore, check_client_request
+from pagedserve.tenants import check_tenant
 
 PromptOrMessages = str | Sequence[int] | Sequence[ChatMessage | Mapping[str, Any]]
 
@@ -42,7 +43,7 @@ def build_request(
     *,
     priority: Priority = "interactive",
     idempotency_key: str | None = None,
-    metadata: dict[str, Any] | None = None,
+    metadata: dict[str, str] | None = None,
     model: str | None = None,
 ) -> JobRequest:
     """A validated request: a string or a list of ints is a prompt, a list of
@@ -62,7 +63,8 @@ def build_request(
     if is_chat:
         fields["messages"] = list(prompt_or_messages)
     else:
-        fields["prompt"] = prompt_or_messages
+        prompt = prompt_or_messages
+        fields["prompt"] = prompt if isinstance(prompt, str) else list(prompt)  # strict: a list
     return JobRequest.model_validate(fields)
 
 
@@ -89,9 +91,21 @@ def accumulate(events: Iterable[DeltaEvent]) -> Accumulated:
 
 
 class Client:
-    """Submit and follow jobs through Redis. ``redis_url`` defaults to ``PAGEDSERVE_REDIS_URL``."""
+    """Submit and follow jobs through Redis. ``redis_url`` defaults to ``PAGEDSERVE_REDIS_URL``.
 
-    def __init__(self, redis_url: str | None = None, *, prefix: str = "ps", **store_kw: Any):
+    ``tenant``: written on every job this client submits (a Redis-side client is trusted: it
+    writes the tenant it is given, and reads every job); ``None`` writes none (the API then
+    treats the jobs as the default tenant's)."""
+
+    def __init__(
+        self,
+        redis_url: str | None = None,
+        *,
+        prefix: str = "ps",
+        tenant: str | None = None,
+        **store_kw: Any,
+    ):
+        self.tenant = check_tenant(tenant) if tenant is not None else None
         self.store = JobStore(redis_url, prefix=prefix, **store_kw)
         self.r = self.store.r
         self.keys = self.store.keys
@@ -104,7 +118,7 @@ class Client:
         *,
         priority: Priority = "interactive",
         idempotency_key: str | None = None,
-        metadata: dict[str, Any] | None = None,
+        metadata: dict[str, str] | None = None,
         model: str | None = None,
     ) -> str:
         """Queue one job; returns its id (an existing job's id for a reused idempotency key)."""
@@ -119,7 +133,7 @@ class Client:
         return self.submit_request(req)
 
     def submit_request(self, request: JobRequest) -> str:
-        return self.store.enqueue(new_job_id(), request)[0]
+        return self.store.enqueue(new_job_id(), request, tenant=self.tenant)[0]
 
     def submit_many(
         self,
@@ -148,7 +162,7 @@ class Client:
         ids: list[str] = []
         for start in range(0, len(requests), chunk):
             part = [(new_job_id(), r) for r in requests[start : start + chunk]]
-            ids += [got for got, _created in self.store.enqueue_many(part)]
+            ids += [got for got, _ in self.store.enqueue_many(part, tenant=self.tenant)]
         return ids
 
     # ----------------------------------------------------------------------------- read

@@ -132,3 +132,22 @@ class Keys:
     @property
     def files_seq(self) -> str:
         return f"{self.prefix}:files:seq"
+
+    # ----------------------------------------------------------------------------- tenants
+    @property
+    def tenants(self) -> str:
+        """Set of every tenant that has written something (pagedserve.tenants)."""
+        return f"{self.prefix}:tenants"
+
+    def tenant(self, tenant: str) -> str:
+        """Base of one tenant's keys: ``:open`` (set of open job ids), ``:stats`` (hash),
+        ``:files`` (hash file id -> bytes), ``:prune`` (throttle), ``:batches`` (zset)."""
+        return f"{self.prefix}:tenant:{tenant}"
+
+    def tenant_batches(self, tenant: str) -> str:
+        """One tenant's batches, like ``{prefix}:batches`` (the newest-first list)."""
+        return f"{self.tenant(tenant)}:batches"
+
+    def tenant_files(self, tenant: str) -> str:
+        """One tenant's stored files: hash file id -> bytes (pagedserve.tenants)."""
+        return f"{self.tenant(tenant)}:files"

@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from pagedserve import jsonsafe
 from pagedserve.schemas import Completion, JobRequest, JobResult, TokenLogprob
 
 COMPLETIONS_URL = "/v1/completions"
@@ -108,11 +109,9 @@ def _fail(line: int, cid: str | None, code: str, msg: str, *, fatal: bool = True
 def _envelope(text: str, line: int, endpoint: str | None) -> tuple[str, str, dict[str, Any]]:
     """Check the line's JSON envelope; returns (custom_id, url, body)."""
     try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise _fail(
-            line, None, "invalid_json", f"not valid JSON: {e.msg} at column {e.colno}"
-        ) from None
+        obj = jsonsafe.loads(text)  # bounded nesting, no lone surrogates
+    except jsonsafe.JsonInputError as e:
+        raise _fail(line, None, e.code, e.message) from None
     if not isinstance(obj, dict):
         raise _fail(line, None, "invalid_json", "a line must be a JSON object")
     cid = obj.get("custom_id")

@@ -2,17 +2,36 @@
 
 from __future__ import annotations
 
+import numbers
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from pagedserve.jsonsafe import check_text
+
+
+def as_int(v: Any) -> Any:
+    """A Python int for an integral number of another type (NumPy's ``int64``...), so strict
+    mode still accepts them from Python callers; ``bool`` and strings are left to be refused."""
+    if isinstance(v, numbers.Integral) and not isinstance(v, (bool, int)):
+        return int(v)
+    return v
+
+
+def as_ints(v: Any) -> Any:
+    """:func:`as_int` over a list (or tuple) of token ids."""
+    return [as_int(x) for x in v] if isinstance(v, (list, tuple)) else v
 
 
 class SamplingParams(BaseModel):
     """How to sample one request's completions (the names vLLM users know).
 
     ``temperature == 0`` means greedy decoding. ``max_tokens=None`` generates until a stop
-    condition or the model's context length.
+    condition or the model's context length. Types are strict: ``"16"`` or ``true`` is not an
+    int (an int is accepted where a float is expected).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     n: int = Field(1, ge=1, le=64, description="number of completions sharing the prompt")
     max_tokens: int | None = Field(16, ge=1)
@@ -31,6 +50,16 @@ class SamplingParams(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     logprobs: int | None = Field(None, ge=0, le=20, description="top-k logprobs per sampled token")
 
+    @field_validator("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", mode="before")
+    @classmethod
+    def _integral(cls, v: object) -> object:
+        return as_int(v)
+
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _integral_ids(cls, v: object) -> object:
+        return as_ints(v)
+
     @field_validator("stop", mode="before")
     @classmethod
     def _stop_as_list(cls, v: object) -> object:
@@ -43,6 +72,8 @@ class SamplingParams(BaseModel):
     def _no_empty_stop(cls, v: list[str]) -> list[str]:
         if any(s == "" for s in v):
             raise ValueError("stop strings must be non-empty")
+        for s in v:
+            check_text(s, "a stop string")
         return v
 
     @field_validator("stop_token_ids")

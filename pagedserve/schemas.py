@@ -8,15 +8,49 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
+from pagedserve.jsonsafe import check_text
 from pagedserve.keys import Priority
-from pagedserve.params import SamplingParams
+from pagedserve.params import SamplingParams, as_ints
 
 #: Largest ``metadata`` object accepted, measured as compact JSON.
 MAX_METADATA_BYTES = 16 * 1024
+#: OpenAI's metadata limits: at most 16 pairs, keys up to 64 characters, string values up to 512.
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
+#: Largest prompt text (or sum of chat message contents), in characters, refused outright.
+MAX_PROMPT_CHARS = 256 * 1024
+
+#: Flat string-to-string metadata with OpenAI's limits (also the batch object's ``metadata``).
+Metadata = Annotated[
+    dict[
+        Annotated[str, StringConstraints(min_length=1, max_length=MAX_METADATA_KEY)],
+        Annotated[str, StringConstraints(max_length=MAX_METADATA_VALUE)],
+    ],
+    Field(max_length=MAX_METADATA_PAIRS),
+]
+
+
+def check_metadata(v: dict[str, str] | None) -> dict[str, str] | None:
+    """Every key and value encodes as UTF-8 (pydantic checks types and lengths)."""
+    for k, val in (v or {}).items():
+        check_text(k, "a metadata key")
+        check_text(val, f"metadata[{k!r}]")
+    return v
+
+
 #: Largest idempotency key (it becomes part of a Redis key name).
 MAX_IDEMPOTENCY_KEY = 256
 
@@ -44,24 +78,38 @@ TERMINAL_STATUSES = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.
 class ChatMessage(BaseModel):
     """One chat turn; the worker renders a list of them with the model's chat template."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     role: Literal["system", "user", "assistant", "tool"]
     content: str
 
+    @field_validator("content")
+    @classmethod
+    def _valid_text(cls, v: str) -> str:
+        return check_text(v, "message content")
+
 
 class JobRequest(BaseModel):
-    """One generation request: exactly one of ``prompt`` (text or token ids) or ``messages``."""
+    """One generation request: exactly one of ``prompt`` (text or token ids) or ``messages``.
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    Strict types (``"16"`` is not an int, ``true`` is not one either); ``metadata`` is flat
+    strings within OpenAI's limits; prompt text is capped at :data:`MAX_PROMPT_CHARS`.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     prompt: str | list[int] | None = None
     messages: list[ChatMessage] | None = None
     params: SamplingParams = Field(default_factory=SamplingParams)
     priority: Priority = "interactive"
     idempotency_key: str | None = Field(None, min_length=1, max_length=MAX_IDEMPOTENCY_KEY)
-    metadata: dict[str, Any] | None = None
+    metadata: Metadata | None = None
     model: str | None = Field(None, min_length=1, max_length=256)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _integral_ids(cls, v: object) -> object:
+        return as_ints(v) if isinstance(v, (list, tuple)) else v
 
     @field_validator("prompt")
     @classmethod
@@ -72,6 +120,10 @@ class JobRequest(BaseModel):
             raise ValueError("prompt must not be empty")
         if isinstance(v, list) and any(t < 0 for t in v):
             raise ValueError("prompt token ids must be non-negative")
+        if isinstance(v, str):
+            if len(v) > MAX_PROMPT_CHARS:
+                raise ValueError(f"prompt is {len(v)} characters; the limit is {MAX_PROMPT_CHARS}")
+            check_text(v, "prompt")
         return v
 
     @field_validator("messages")
@@ -79,13 +131,22 @@ class JobRequest(BaseModel):
     def _messages_not_empty(cls, v: list[ChatMessage] | None) -> list[ChatMessage] | None:
         if v is not None and len(v) == 0:
             raise ValueError("messages must contain at least one message")
+        size = sum(len(m.content) for m in v or ())
+        if size > MAX_PROMPT_CHARS:
+            raise ValueError(f"messages hold {size} characters; the limit is {MAX_PROMPT_CHARS}")
         return v
+
+    @field_validator("idempotency_key", "model")
+    @classmethod
+    def _valid_name(cls, v: str | None) -> str | None:
+        return v if v is None else check_text(v, "a name")
 
     @field_validator("metadata")
     @classmethod
-    def _metadata_small(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+    def _metadata_small(cls, v: dict[str, str] | None) -> dict[str, str] | None:
         if v is None:
             return v
+        check_metadata(v)
         try:
             size = len(json.dumps(v, separators=(",", ":")).encode())
         except (TypeError, ValueError) as e:
@@ -154,6 +215,8 @@ class JobRecord(BaseModel):
     deliveries: int = 0
     result: JobResult | None = None
     error: str | None = None
+    #: The tenant that owns the job (written by the server, never taken from the request).
+    tenant: str | None = None
 
 
 class DeltaEvent(BaseModel):

@@ -43,6 +43,7 @@ from pagedserve.schemas import (
     JobStatus,
     short_validation_error,
 )
+from pagedserve.tenants import TAG_JOB, TenantBook
 
 log = logging.getLogger(__name__)
 
@@ -274,6 +275,8 @@ class JobStore:
         self._scripts: dict[str, Script] = {
             name: self.r.register_script(_load_lua(name)) for name in _SCRIPTS
         }
+        self._scripts["tag_tenant"] = self.r.register_script(TAG_JOB)
+        self.tenants = TenantBook(self.r, self.keys)
         self._groups_ready = False
         # Per consumer and stream: where re-reading the consumer's own pending entries has got
         # to ("0" at first, None once exhausted). Only the first claims after a start read them.
@@ -307,8 +310,11 @@ class JobStore:
             pipe.script_load(sc.script)
         pipe.execute()
 
-    def _exec(self, calls: Sequence[Call], *, raise_errors: bool = True) -> list[Any]:
-        """Run script calls as EVALSHA in one non-transactional pipeline: one round trip.
+    def _exec(
+        self, calls: Sequence[Call], *, raise_errors: bool = True, transaction: bool = False
+    ) -> list[Any]:
+        """Run script calls as EVALSHA in one pipeline (MULTI/EXEC with ``transaction``): one
+        round trip.
 
         A NOSCRIPT error (empty script cache after a Redis restart) fails every call of the
         pipeline the same way, so loading the scripts and resending it once is safe. With
@@ -318,7 +324,7 @@ class JobStore:
         if not calls:
             return []
         for attempt in (0, 1):
-            pipe = self.r.pipeline(transaction=False)
+            pipe = self.r.pipeline(transaction=transaction)
             for name, keys, args in calls:
                 pipe.evalsha(self._scripts[name].sha, len(keys), *keys, *args)
             replies = pipe.execute(raise_on_error=False)
@@ -361,30 +367,45 @@ class JobStore:
         return keys, args
 
     def enqueue(
-        self, job_id: str, request: JobRequest, *, batch: BatchRef | None = None
+        self,
+        job_id: str,
+        request: JobRequest,
+        *,
+        batch: BatchRef | None = None,
+        tenant: str | None = None,
     ) -> tuple[str, bool]:
         """Store and queue a job. Returns ``(job id, created)``; with an idempotency key already
-        used, the existing job's id and ``False``."""
-        self.ensure_groups()
-        keys, args = self.enqueue_args(job_id, request, batch=batch)
-        got, created = self._exec([("enqueue", keys, args)])[0]
-        return got, bool(created)
+        used, the existing job's id and ``False``. ``tenant`` is written as the record's own
+        ``tenant`` field, atomically with the job (and counted, :mod:`pagedserve.tenants`)."""
+        batches = [batch] if batch is not None else None
+        return self.enqueue_many([(job_id, request)], batches=batches, tenant=tenant)[0]
 
     def enqueue_many(
         self,
         jobs: Sequence[tuple[str, JobRequest]],
         *,
         batches: Sequence[BatchRef] | None = None,
+        tenant: str | None = None,
     ) -> list[tuple[str, bool]]:
         """:meth:`enqueue` for many jobs in one pipelined round trip (chunk large lists);
-        ``batches`` gives each job's :class:`BatchRef` (the fan-out)."""
+        ``batches`` gives each job's :class:`BatchRef` (the fan-out). With a ``tenant`` each
+        enqueue is followed by its tenant tag, all in one MULTI/EXEC."""
         self.ensure_groups()
         refs: Sequence[BatchRef | None] = batches if batches is not None else [None] * len(jobs)
-        calls: list[Call] = [
-            ("enqueue", *self.enqueue_args(jid, req, batch=ref))
-            for (jid, req), ref in zip(jobs, refs, strict=True)
-        ]
-        return [(got, bool(created)) for got, created in self._exec(calls)]
+        calls: list[Call] = []
+        for (jid, req), ref in zip(jobs, refs, strict=True):
+            calls.append(("enqueue", *self.enqueue_args(jid, req, batch=ref)))
+            if tenant is not None:
+                tag_args = [jid, tenant, self.keys.job("")]
+                calls.append(("tag_tenant", self.tenants.tag_keys(jid, tenant), tag_args))
+        replies = self._exec(calls, transaction=tenant is not None)
+        step = 1 if tenant is None else 2
+        return [(got, bool(created)) for got, created in replies[::step]]
+
+    def owner(self, job_id: str) -> tuple[bool, str | None]:
+        """(whether the job exists, its tenant) in one round trip."""
+        jid, tenant = self.r.hmget(self.keys.job(job_id), "id", "tenant")
+        return jid is not None, tenant
 
     def get(self, job_id: str) -> JobRecord | None:
         """The job's record, or ``None`` for an unknown (or expired) id."""
@@ -477,10 +498,18 @@ class JobStore:
             v = h.get(name)
             return float(v) if v else None
 
+        error = h.get("error") or None
+        try:
+            request = JobRequest.model_validate_json(h.get("request") or "")
+        except ValidationError as e:
+            # A stored record always reads back: a request that does not parse (written by an
+            # older version or a Redis-side client) is shown as a placeholder with the reason.
+            request = UNPARSABLE_REQUEST
+            error = error or f"invalid stored request: {short_validation_error(e)}"
         return JobRecord(
             id=h["id"],
             status=JobStatus(h["status"]),
-            request=JobRequest.model_validate_json(h["request"]),
+            request=request,
             priority=h.get("priority", "interactive"),  # type: ignore[arg-type]
             created_at=float(h["created_at"]),
             started_at=opt_float("started_at"),
@@ -490,7 +519,8 @@ class JobStore:
             worker=h.get("worker") or None,
             deliveries=int(h.get("deliveries", 0)),
             result=JobResult.model_validate_json(h["result"]) if h.get("result") else None,
-            error=h.get("error") or None,
+            error=error,
+            tenant=h.get("tenant") or None,
         )
 
     # ----------------------------------------------------------------------------- worker: claim

@@ -81,10 +81,12 @@ def launch_api(
     api_keys: str | None = None,
     dev: bool = False,
     timeout: float = 30.0,
+    env_extra: dict[str, str] | None = None,
 ) -> ApiServer:
     """Start ``python -m pagedserve api`` and wait for ``/healthz`` (retries a lost port race)."""
     env = dict(os.environ, **{URL_ENV: redis_url})
     env.pop("PAGEDSERVE_API_KEYS", None)
+    env.update(env_extra or {})
     last = ""
     for _attempt in range(3):
         port = free_port()

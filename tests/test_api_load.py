@@ -9,6 +9,7 @@ streams, and each worker's resident memory does not grow between a 500-job warm-
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import time
@@ -64,8 +65,21 @@ def job_body(i: int) -> dict[str, Any]:
     return body
 
 
-def submit_all(port: int, indices: Sequence[int]) -> tuple[dict[int, str], float, int]:
-    """POST jobs ``indices`` from SUBMIT_THREADS keep-alive connections.
+#: With tenants on: job ``i`` is submitted with ``KEYS[TENANTS[i % 2]]``; the admin reads all.
+TENANTS = ("team-a", "team-b")
+KEYS = {"team-a": "load-key-a", "team-b": "load-key-b", "ops": "load-key-ops"}
+API_KEYS = "team-a:load-key-a,team-b:load-key-b,ops:load-key-ops:admin"
+
+
+def tenant_of(i: int) -> str:
+    return TENANTS[i % 2]
+
+
+def submit_all(
+    port: int, indices: Sequence[int], keyed: bool = False
+) -> tuple[dict[int, str], float, int]:
+    """POST jobs ``indices`` from SUBMIT_THREADS keep-alive connections (with ``keyed``, each
+    job with its tenant's key).
 
     Returns (index -> job id, seconds, reconnects)."""
     ids: dict[int, str] = {}
@@ -75,9 +89,15 @@ def submit_all(port: int, indices: Sequence[int]) -> tuple[dict[int, str], float
 
     def run(part: Sequence[int]) -> None:
         got: dict[int, str] = {}
-        with JsonClient(port, timeout=30) as client:
+        tenants = TENANTS if keyed else (None,)
+        clients = {t: JsonClient(port, KEYS[t] if t else None, timeout=30) for t in tenants}
+        client = clients[tenants[0]]
+        with contextlib.ExitStack() as stack:
+            for c in clients.values():
+                stack.enter_context(c)
             try:
                 for i in part:
+                    client = clients[tenant_of(i) if keyed else None]
                     status, body = client.request("POST", "/v1/jobs", job_body(i))
                     if status != 202 or not isinstance(body, dict) or "id" not in body:
                         raise AssertionError(f"job {i}: HTTP {status}: {body}")
@@ -88,7 +108,7 @@ def submit_all(port: int, indices: Sequence[int]) -> tuple[dict[int, str], float
             finally:
                 with lock:
                     ids.update(got)
-                    reconnects[0] += client.reconnects
+                    reconnects[0] += sum(c.reconnects for c in clients.values())
 
     parts = [indices[k::SUBMIT_THREADS] for k in range(SUBMIT_THREADS)]
     threads = [threading.Thread(target=run, args=(p,), daemon=True) for p in parts]
@@ -140,10 +160,39 @@ def settled_rss(workers: Sequence[WorkerProcess], client: JsonClient) -> dict[st
     return {w.worker_id: rss_kib(w.proc.pid) for w in workers}
 
 
+@pytest.fixture(params=[False, True], ids=["open", "tenants"])
+def keyed(request: pytest.FixtureRequest) -> bool:
+    """Without keys, and with two tenants' keys, an admin key and a per-tenant limit."""
+    return bool(request.param)
+
+
 @pytest.fixture
-def api(redis_url: str, tmp_path: Path) -> Iterator[ApiServer]:
-    with api_server(redis_url, tmp_path / "api.log", workers=2, threads=8) as server:
+def api(redis_url: str, tmp_path: Path, keyed: bool) -> Iterator[ApiServer]:
+    kw: dict[str, Any] = {}
+    if keyed:  # the limit is far above the run's needs: the admission path runs on every POST
+        kw = {"api_keys": API_KEYS, "env_extra": {"PAGEDSERVE_TENANT_MAX_QUEUED": "100000"}}
+    with api_server(redis_url, tmp_path / "api.log", workers=2, threads=8, **kw) as server:
         yield server
+
+
+def check_tenants(port: int, store: JobStore, ids: dict[int, str]) -> None:
+    """Every record carries its submitter's tenant; the other tenant gets 404; the per-tenant
+    counts have drained (the admin's /v1/tenants)."""
+    recs = store.get_many([ids[i] for i in sorted(ids)])
+    wrong = [i for i, r in zip(sorted(ids), recs, strict=True) if not r or r.tenant != tenant_of(i)]
+    assert not wrong, wrong[:5]
+    for i in random.Random(3).sample(sorted(ids), 10):
+        owner, other = tenant_of(i), TENANTS[1 - i % 2]
+        with JsonClient(port, KEYS[owner]) as own, JsonClient(port, KEYS[other]) as them:
+            assert own.request("GET", f"/v1/jobs/{ids[i]}")[0] == 200
+            assert them.request("GET", f"/v1/jobs/{ids[i]}")[0] == 404
+    time.sleep(0.2)  # past the prune throttle
+    with JsonClient(port, KEYS["ops"]) as admin:
+        rows = {r["tenant"]: r for r in admin.get("/v1/tenants")["data"]}
+    assert {t: (rows[t]["queued"], rows[t]["running"]) for t in TENANTS} == {
+        t: (0, 0) for t in TENANTS
+    }
+    assert sum(rows[t]["jobs_finished"] for t in TENANTS) == len(ids)
 
 
 def test_5000_jobs_through_http_api(
@@ -151,6 +200,7 @@ def test_5000_jobs_through_http_api(
     make_tiny_model,  # type: ignore[no-untyped-def]
     start_worker: StartWorker,
     api: ApiServer,
+    keyed: bool,
 ) -> None:
     t_start = time.monotonic()
     model_dir = make_tiny_model("llama")
@@ -160,22 +210,24 @@ def test_5000_jobs_through_http_api(
     for w in workers:
         w.wait_ready()
     store = JobStore(redis_url)
-    client = JsonClient(api.port)
+    client = JsonClient(api.port, KEYS["ops"] if keyed else None)
     try:
         # Phase 1: warm-up.
-        warm_ids, warm_s, rc1 = submit_all(api.port, range(WARMUP_JOBS))
+        warm_ids, warm_s, rc1 = submit_all(api.port, range(WARMUP_JOBS), keyed)
         wait_finished(store, list(warm_ids.values()), FINISH_TIMEOUT_S)
         rss_warm = settled_rss(workers, client)
 
         # Phase 2: the rest, timed end to end (first POST to last job finished).
         t0 = time.monotonic()
-        main_ids, main_submit_s, rc2 = submit_all(api.port, range(WARMUP_JOBS, TOTAL_JOBS))
+        main_ids, main_submit_s, rc2 = submit_all(api.port, range(WARMUP_JOBS, TOTAL_JOBS), keyed)
         sample = random.Random(7).sample(sorted(main_ids.values()), 40)
         wait_finished(store, list(main_ids.values()), FINISH_TIMEOUT_S)
         main_total_s = time.monotonic() - t0
         rss_end = settled_rss(workers, client)
         ids = {**warm_ids, **main_ids}
         assert len(set(ids.values())) == TOTAL_JOBS
+        if keyed:
+            check_tenants(api.port, store, ids)
 
         # A sample through the HTTP API: the job JSON as clients see it.
         for jid in sample:

@@ -35,13 +35,13 @@ def claim_one(store: JobStore, consumer: str = "w") -> Lease:
 
 def test_submit_prompt_tokens_and_messages(client: Client) -> None:
     a = client.submit("hello", {"max_tokens": 4, "temperature": 0})
-    b = client.submit([1, 2, 3], priority="bulk", metadata={"k": 1})
+    b = client.submit([1, 2, 3], priority="bulk", metadata={"k": "1"})  # values are strings
     c = client.submit([{"role": "user", "content": "hi"}], SamplingParams(n=2))
     ra, rb, rc = client.get(a), client.get(b), client.get(c)
     assert ra is not None and ra.request.prompt == "hello" and ra.request.params.max_tokens == 4
     assert ra.request.params.greedy
     assert rb is not None and rb.request.prompt == [1, 2, 3] and rb.priority == "bulk"
-    assert rb.request.metadata == {"k": 1}
+    assert rb.request.metadata == {"k": "1"}
     assert rc is not None and rc.request.messages is not None
     assert rc.request.messages[0].content == "hi" and rc.request.params.n == 2
     assert client.get("unknown") is None

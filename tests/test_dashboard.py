@@ -140,3 +140,24 @@ def test_dashboard_without_key_asks_for_one(browser, base_url: str, redis_url: s
     assert page.locator("#auth-hint").is_visible()
     assert "missing API key" in page.locator("#status").inner_text()
     assert page.locator("article[data-worker-id]").count() == 0
+
+
+def test_dashboard_shows_the_callers_tenants(browser, redis_url: str) -> None:
+    """Per-tenant queue depth and tokens: a tenant's key sees its own row, an admin's all."""
+    keys = "team-a:key-a, ops:key-ops:admin"
+    for c in (Client(redis_url, tenant="team-a"), Client(redis_url, tenant="team-b")):
+        with c:
+            c.submit_many(["a", "b", "c"] if c.tenant == "team-a" else ["x"], priority="bulk")
+    for key, rows in (("key-a", {"team-a": "3"}), ("key-ops", {"team-a": "3", "team-b": "1"})):
+        for url in serve(make_app(redis_url, api_keys=keys)):
+            page = browser.new_page()
+            page.goto(url + f"/?key={key}")
+            page.wait_for_selector("#tenants tr[data-tenant='team-a']", timeout=15_000)
+            shown = {
+                row.get_attribute("data-tenant"): row.locator(
+                    "td[data-field='queued']"
+                ).inner_text()
+                for row in page.locator("#tenants tbody tr").all()
+            }
+            assert shown == rows, key
+            page.close()

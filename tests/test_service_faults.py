@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pagedserve.client import Client, new_job_id
-from pagedserve.schemas import JobRequest, JobStatus
+from pagedserve.schemas import JobRecord, JobRequest, JobStatus
 from pagedserve.store import JobStore
 from tests.fixtures.redis_server import RedisFactory
 from tests.fixtures.workers import (
@@ -26,14 +26,30 @@ def model_dir(make_tiny_model) -> Path:  # type: ignore[no-untyped-def]
     return make_tiny_model("llama")
 
 
+@pytest.fixture(params=[None, "team-a"], ids=["no-tenant", "tenant"])
+def tenant(request: pytest.FixtureRequest) -> str | None:
+    """Jobs submitted without a tenant, and by a Redis-side client with one."""
+    return request.param  # type: ignore[no-any-return]
+
+
+def check_tenant_accounting(client: Client, tenant: str | None, recs: list[JobRecord]) -> None:
+    """Every record kept its tenant; once all ended, the tenant has no open job left and each
+    job was counted once."""
+    assert {r.tenant for r in recs} == {tenant}
+    if tenant is not None:
+        book = client.store.tenants
+        assert book.open_jobs(tenant, force=True) == 0
+        assert book.usage(tenant, "ps:file:").jobs_finished == len(recs)
+
+
 def end_events(client: Client, job_id: str) -> list[dict[str, str]]:
     return [f for _, f in client.r.xrange(client.keys.events(job_id)) if f["type"] == "end"]
 
 
 def test_kill9_mid_run_every_job_exactly_once(
-    redis_url: str, model_dir: Path, start_worker: StartWorker
+    redis_url: str, model_dir: Path, start_worker: StartWorker, tenant: str | None
 ) -> None:
-    client = Client(redis_url)
+    client = Client(redis_url, tenant=tenant)
     # Long enough that the run is still going when the test kills, even on a busy machine.
     params = {**SHORT, "max_tokens": 40}
     ids = client.submit_many([f"job number {i}" for i in range(300)], params, priority="bulk")
@@ -61,13 +77,14 @@ def test_kill9_mid_run_every_job_exactly_once(
     assert all(client.get(j).worker == "b" for j in running)  # type: ignore[union-attr]
     assert not client.store.dead_letters()
     assert client.r.xpending(client.keys.stream("bulk"), "workers")["pending"] == 0
+    check_tenant_accounting(client, tenant, recs)
 
 
 def test_redis_restart_with_aof_mid_run(
-    redis_factory: RedisFactory, model_dir: Path, start_worker: StartWorker
+    redis_factory: RedisFactory, model_dir: Path, start_worker: StartWorker, tenant: str | None
 ) -> None:
     server = redis_factory(aof=True)
-    client = Client(server.url)
+    client = Client(server.url, tenant=tenant)
     ids = client.submit_many([f"survivor {i}" for i in range(80)], SHORT, priority="bulk")
     start_worker(server.url, model_dir, "w", "--max-num-seqs", "8")
     wait_for(
@@ -77,10 +94,11 @@ def test_redis_restart_with_aof_mid_run(
     server.kill()
     time.sleep(1.0)  # the worker keeps stepping and buffers its final writes
     server.start()
-    client = Client(server.url)
+    client = Client(server.url, tenant=tenant)
     recs = client.wait_many(ids, timeout=120)
     assert [r.status for r in recs] == [JobStatus.SUCCEEDED] * 80
     assert all(len(end_events(client, r.id)) == 1 for r in recs)
+    check_tenant_accounting(client, tenant, recs)
 
 
 def test_sigterm_drains_running_jobs(

@@ -268,7 +268,8 @@ def test_queued_jobs_survive_redis_crash_with_aof(redis_factory) -> None:  # typ
         ({"prompt": "a", "colour": "red"}, "Extra inputs are not permitted"),
         ({"prompt": "a", "params": {"temperature": -1}}, "temperature"),
         ({"prompt": "a", "params": {"max_tokens": 2, "min_tokens": 3}}, "min_tokens (3)"),
-        ({"prompt": "a", "metadata": {"x": "y" * 20000}}, "the limit is 16384 bytes"),
+        ({"prompt": "a", "metadata": {"x": "y" * 20000}}, "at most 512 characters"),
+        ({"prompt": "a", "metadata": {f"k{i}": "é" * 512 for i in range(16)}}, "16384 bytes"),
     ],
 )
 def test_bad_requests_have_clear_messages(fields: dict[str, object], message: str) -> None:

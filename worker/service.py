@@ -49,6 +49,7 @@ from pagedserve.telemetry import (
     WorkerHeartbeat,
 )
 from worker.outputs import CompletionOutput, EngineConfig, RequestOutput, RequestRejected
+from worker.pretokenize import Pretokenizer
 
 if TYPE_CHECKING:
     from worker.engine import Engine
@@ -211,6 +212,7 @@ class Worker:
         self.ttft = Histogram()
         self.e2e = Histogram()
         self.tokens_window: collections.deque[tuple[float, int]] = collections.deque()
+        self.pretok = Pretokenizer.for_engine(engine)  # text and chat prompts: off the loop
 
     # ----------------------------------------------------------------- signals
     def request_stop(self, *_: object) -> None:
@@ -268,7 +270,7 @@ class Worker:
     def _capacity(self) -> int:
         if self.draining:
             return 0
-        return max(0, min(MAX_CLAIM, self.engine.free_capacity()))
+        return max(0, min(MAX_CLAIM, self.engine.free_capacity() - len(self.pretok)))
 
     def _admit(self, leases: list[Lease]) -> None:
         created = self._created_at([x.job_id for x in leases]) if leases else []
@@ -305,6 +307,10 @@ class Worker:
                 f"{self.engine.model_name!r})",
             )
             return
+        if self.pretok.wanted(req):  # tokenized off the loop; _add_tokenized hands it over
+            self.pretok.submit(lease)
+            self.jobs[lease.job_id] = JobState(lease, created_at, req.params.max_tokens)
+            return
         messages = [m.model_dump() for m in req.messages] if req.messages is not None else None
         try:
             self.engine.add_request(
@@ -322,6 +328,24 @@ class Worker:
             self._fail(lease, f"rejected: {type(e).__name__}: {e}")
             return
         self.jobs[lease.job_id] = JobState(lease, created_at, req.params.max_tokens)
+
+    def _add_tokenized(self) -> None:
+        """Hand the jobs whose tokenization finished to the engine (as token ids). A job that
+        ended meanwhile (cancelled, lease lost, drained) is no longer in ``self.jobs``: dropped."""
+        idle = not self.engine.has_unfinished()  # nothing to step: wait a little, do not spin
+        for lease, got in self.pretok.take_done(wait_s=0.005 if idle else 0.0):
+            st = self.jobs.get(lease.job_id)
+            if st is None:
+                continue
+            try:
+                if isinstance(got, BaseException):
+                    raise got
+                params, prio = st.lease.request.params, st.lease.priority
+                self.engine.add_request(lease.job_id, got, params, priority=prio)
+            except Exception as e:  # as in _admit_one: the job fails, the worker goes on
+                self.jobs.pop(lease.job_id, None)
+                msg = str(e) if isinstance(e, RequestRejected) else f"{type(e).__name__}: {e}"
+                self._fail(st.lease, f"rejected: {msg}")
 
     def _fail(self, lease: Lease, reason: str) -> None:
         self._final(Finish(lease, "failed", error=reason))
@@ -358,7 +382,7 @@ class Worker:
         cap = self._capacity()
         if cap <= 0:
             return
-        busy = self.engine.has_unfinished() or bool(self.unsent)
+        busy = self.engine.has_unfinished() or bool(self.unsent) or len(self.pretok) > 0
         now = time.monotonic()
         if busy and now - self.last_claim < self.cfg.claim_interval_s:
             return
@@ -375,6 +399,7 @@ class Worker:
 
     # ----------------------------------------------------------------- stepping
     def step(self) -> None:
+        self._add_tokenized()
         outputs = self.engine.step() if self.engine.has_unfinished() else []
         now = time.monotonic()
         for out in outputs:
@@ -500,7 +525,8 @@ class Worker:
     def _heartbeat(self) -> None:
         hb = self.heartbeat_model()
         ttl = max(5, int(self.cfg.heartbeat_s * 10))
-        self._redis(self.store.heartbeat, self.cfg.worker_id, hb.model_dump(mode="json"), ttl)
+        info = {**hb.model_dump(mode="json"), **self.pretok.context}  # + max_model_len (API)
+        self._redis(self.store.heartbeat, self.cfg.worker_id, info, ttl)
 
     # ----------------------------------------------------------------- main loop
     def run(self) -> int:

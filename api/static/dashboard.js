@@ -174,11 +174,32 @@ function renderSummary(pool, workers) {
   }
 }
 
+function renderTenants(tenants) {
+  const section = document.getElementById("tenants");
+  const body = section.querySelector("tbody");
+  body.replaceChildren();
+  for (const t of tenants.data) {
+    const row = document.createElement("tr");
+    row.dataset.tenant = t.tenant;
+    for (const key of ["tenant", "queued", "running", "tokens_generated", "jobs_finished",
+      "file_bytes"]) {
+      const cell = document.createElement("td");
+      cell.textContent = String(t[key]);
+      cell.dataset.field = key;
+      row.append(cell);
+    }
+    body.append(row);
+  }
+  section.hidden = tenants.data.length === 0;
+}
+
 async function refresh() {
   const status = document.getElementById("status");
   try {
-    const [pool, workers] = await Promise.all([getJson("v1/pool"), getJson("v1/workers")]);
+    const [pool, workers, tenants] = await Promise.all(
+      [getJson("v1/pool"), getJson("v1/workers"), getJson("v1/tenants")]);
     renderSummary(pool, workers);
+    renderTenants(tenants);
     setText(status, "live", "data-state", "ok");
     document.getElementById("updated").textContent = new Date().toLocaleTimeString();
     document.body.dataset.refreshes = String(Number(document.body.dataset.refreshes || 0) + 1);

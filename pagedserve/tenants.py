@@ -1,0 +1,256 @@
+"""Per-tenant accounting in Redis: open jobs, file bytes, generated tokens.
+
+Layout (prefix ``ps``)::
+
+    ps:tenants               set    every tenant that has written something
+    ps:tenant:{t}:open       set    ids of the tenant's jobs not yet seen ended (see below)
+    ps:tenant:{t}:files      hash   file id -> bytes, the tenant's stored files
+    ps:tenant:{t}:stats      hash   tokens (output tokens of the jobs pruned from ``open``), jobs
+    ps:tenant:{t}:prune      string throttle of the full prune (expires after PRUNE_EVERY_MS)
+
+Counting open jobs: a job id is added to ``open`` when a job is created with a tenant (atomically
+with the ``tenant`` field, :data:`TAG_JOB`), or reserved just before that by the API's admission
+(:data:`ADMIT_JOB`). Nothing in the workers' Lua end paths has to know about tenants: removal is a
+*prune* by job status, done (a) by two random samples at every tagged enqueue, which keeps the set
+within about twice the number of open jobs, and (b) fully, throttled to once per
+:data:`PRUNE_EVERY_MS` per tenant, before a limit is enforced and at every metrics scrape. An id is
+removed once its record says it ended, and only then (the one ``SREM`` that succeeds) are its
+generated tokens added to ``stats``, so each job is counted exactly once whoever removes it. An id
+without a record is removed uncounted: expired before any prune saw it end, or reserved and not yet
+created (its tag adds it back). Between full prunes the count can only over-count (ended jobs not
+yet removed), so a limit errs on refusing (429 with Retry-After); the one way past it is a prune
+that drops another request's reservation in the instant between its admission and its enqueue.
+
+File bytes are the sum of the ``files`` hash after dropping entries whose file key no longer exists,
+so deleting a file (by any code path) frees its bytes without a counter to keep in step.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from pagedserve.keys import Keys
+
+#: Tenant names: they become part of Redis key names and Prometheus labels.
+TENANT_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+#: The tenant of a bare API key (one given without ``tenant:``) and of records written without a
+#: tenant (by Redis-side clients that pass none, or before tenants existed).
+DEFAULT_TENANT = "default"
+#: A key of this tenant (or marked ``:admin``) sees every tenant's records.
+ADMIN_TENANT = "admin"
+#: Full prunes of one tenant's open set happen at most this often (a prune reads every member's
+#: status inside Redis: about 0.3 ms per 1,000 open jobs).
+PRUNE_EVERY_MS = 100
+
+_PRUNE = """
+local function drop(open, stats, jobpfx, id)
+  local job = jobpfx .. id
+  local s = redis.call('HGET', job, 'status')
+  if not s then
+    redis.call('SREM', open, id)
+  elseif (s == 'succeeded' or s == 'failed' or s == 'cancelled')
+      and redis.call('SREM', open, id) == 1 then
+    local t = tonumber(redis.call('HGET', job, 'tokens_generated') or '0') or 0
+    redis.call('HINCRBY', stats, 'tokens', t)
+    redis.call('HINCRBY', stats, 'jobs', 1)
+  end
+end
+"""
+
+#: KEYS: job hash, open set, stats hash, tenants set; ARGV: job id, tenant, job key prefix.
+#: Tags a job just created (its ``id`` field is ours; an idempotent duplicate is left alone).
+TAG_JOB = (
+    _PRUNE
+    + """
+if redis.call('HGET', KEYS[1], 'id') ~= ARGV[1] then return 0 end
+if redis.call('HSETNX', KEYS[1], 'tenant', ARGV[2]) == 0 then return 0 end
+redis.call('SADD', KEYS[4], ARGV[2])
+for _, id in ipairs(redis.call('SRANDMEMBER', KEYS[2], 2)) do
+  drop(KEYS[2], KEYS[3], ARGV[3], id)
+end
+redis.call('SADD', KEYS[2], ARGV[1])
+return 1
+"""
+)
+
+#: KEYS: open set, stats hash, prune throttle; ARGV: job key prefix, force ('1': ignore throttle).
+#: Returns the open count after the prune (or without one, when throttled).
+COUNT_OPEN = (
+    _PRUNE
+    + """
+if ARGV[2] == '1' or redis.call('SET', KEYS[3], '1', 'NX', 'PX', ARGV[3]) then
+  for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+    drop(KEYS[1], KEYS[2], ARGV[1], id)
+  end
+end
+return redis.call('SCARD', KEYS[1])
+"""
+)
+
+#: KEYS: open set, stats hash, prune throttle, tenants set; ARGV: job key prefix, limit, job id,
+#: tenant, throttle ms. Reserves ``job id`` in the open set if the tenant has fewer than ``limit``
+#: open jobs (pruned first when it looks full). Returns {admitted 0/1, open count}.
+ADMIT_JOB = (
+    _PRUNE
+    + """
+local limit = tonumber(ARGV[2])
+local n = redis.call('SCARD', KEYS[1])
+if n >= limit and redis.call('SET', KEYS[3], '1', 'NX', 'PX', ARGV[5]) then
+  for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+    drop(KEYS[1], KEYS[2], ARGV[1], id)
+  end
+  n = redis.call('SCARD', KEYS[1])
+end
+if n >= limit then return {0, n} end
+redis.call('SADD', KEYS[4], ARGV[4])
+redis.call('SADD', KEYS[1], ARGV[3])
+return {1, n + 1}
+"""
+)
+
+#: KEYS: files hash, tenants set; ARGV: file key prefix, file id, bytes ('' to only sum), limit
+#: (0: none), tenant. Drops entries of deleted files, then admits the new file if the sum stays
+#: within the limit. Returns {admitted 0/1, bytes stored (with the new file when admitted)}.
+ADMIT_FILE = """
+local total = 0
+local h = redis.call('HGETALL', KEYS[1])
+for i = 1, #h, 2 do
+  if redis.call('EXISTS', ARGV[1] .. h[i]) == 0 then
+    redis.call('HDEL', KEYS[1], h[i])
+  else
+    total = total + tonumber(h[i + 1])
+  end
+end
+if ARGV[3] == '' then return {1, total} end
+local size, limit = tonumber(ARGV[3]), tonumber(ARGV[4])
+if limit > 0 and total + size > limit then return {0, total} end
+redis.call('SADD', KEYS[2], ARGV[5])
+redis.call('HSET', KEYS[1], ARGV[2], size)
+return {1, total + size}
+"""
+
+
+class QuotaExceeded(Exception):
+    """A tenant limit would be exceeded: ``what`` (jobs, file bytes), ``used`` with the new item."""
+
+    def __init__(self, what: str, used: int, limit: int) -> None:
+        super().__init__(f"tenant limit on {what} exceeded: {used} > {limit}")
+        self.what = what
+        self.used = used
+        self.limit = limit
+
+
+def check_tenant(name: str) -> str:
+    if not TENANT_RE.match(name):
+        raise ValueError(f"tenant name {name[:80]!r} must match {TENANT_RE.pattern}")
+    return name
+
+
+@dataclass(frozen=True)
+class TenantUsage:
+    """One tenant's counts (metrics and the dashboard)."""
+
+    tenant: str
+    queued: int
+    running: int
+    file_bytes: int
+    tokens_generated: int
+    jobs_finished: int
+
+
+class TenantBook:
+    """The per-tenant keys and scripts under one prefix (see the module docstring)."""
+
+    def __init__(self, r: redis.Redis, keys: Keys) -> None:
+        self.r = r
+        self.keys = keys
+        self.tag_job = r.register_script(TAG_JOB)
+        self._count = r.register_script(COUNT_OPEN)
+        self._admit_job = r.register_script(ADMIT_JOB)
+        self._admit_file = r.register_script(ADMIT_FILE)
+
+    # ----------------------------------------------------------------------------- keys
+    def base(self, tenant: str) -> str:
+        return self.keys.tenant(tenant)
+
+    @property
+    def index(self) -> str:
+        return self.keys.tenants
+
+    def open_key(self, tenant: str) -> str:
+        return f"{self.base(tenant)}:open"
+
+    def stats_key(self, tenant: str) -> str:
+        return f"{self.base(tenant)}:stats"
+
+    def files_key(self, tenant: str) -> str:
+        return self.keys.tenant_files(tenant)
+
+    def tag_keys(self, job_id: str, tenant: str) -> list[str]:
+        """KEYS of :data:`TAG_JOB` for a job of ``tenant``."""
+        return [self.keys.job(job_id), self.open_key(tenant), self.stats_key(tenant), self.index]
+
+    @property
+    def job_prefix(self) -> str:
+        return self.keys.job("")
+
+    # ----------------------------------------------------------------------------- jobs
+    def admit_job(self, tenant: str, job_id: str, limit: int) -> tuple[bool, int]:
+        """Reserve a place for ``job_id`` among the tenant's at most ``limit`` open jobs."""
+        keys = [self.open_key(tenant), self.stats_key(tenant), f"{self.base(tenant)}:prune"]
+        keys.append(self.index)
+        args = [self.job_prefix, limit, job_id, tenant, PRUNE_EVERY_MS]
+        ok, n = self._admit_job(keys=keys, args=args)
+        return bool(ok), int(n)
+
+    def unreserve(self, tenant: str, job_id: str) -> None:
+        """Give back a reservation whose job was not created (an idempotent duplicate)."""
+        self.r.srem(self.open_key(tenant), job_id)
+
+    def open_jobs(self, tenant: str, *, force: bool = False) -> int:
+        """Open jobs after a (throttled, unless ``force``) prune."""
+        keys = [self.open_key(tenant), self.stats_key(tenant), f"{self.base(tenant)}:prune"]
+        args = [self.job_prefix, "1" if force else "0", PRUNE_EVERY_MS]
+        return int(self._count(keys=keys, args=args))
+
+    # ----------------------------------------------------------------------------- files
+    def admit_file(self, tenant: str, file_key_prefix: str, file_id: str, size: int, limit: int):
+        """Count a new file against the tenant's ``limit`` bytes (0: none): (admitted, bytes)."""
+        keys = [self.files_key(tenant), self.index]
+        ok, total = self._admit_file(
+            keys=keys, args=[file_key_prefix, file_id, size, limit, tenant]
+        )
+        return bool(ok), int(total)
+
+    def file_bytes(self, tenant: str, file_key_prefix: str) -> int:
+        keys = [self.files_key(tenant), self.index]
+        return int(self._admit_file(keys=keys, args=[file_key_prefix, "", "", 0, tenant])[1])
+
+    # ----------------------------------------------------------------------------- usage
+    def tenants(self) -> list[str]:
+        return sorted(self.r.smembers(self.index))
+
+    def usage(self, tenant: str, file_key_prefix: str) -> TenantUsage:
+        """Counts of one tenant (prunes its open set first, throttled)."""
+        self.open_jobs(tenant)
+        ids = sorted(self.r.smembers(self.open_key(tenant)))
+        pipe = self.r.pipeline(transaction=False)
+        for jid in ids:
+            pipe.hmget(self.keys.job(jid), "status", "tokens_generated")
+        rows: list[Any] = pipe.execute() if ids else []
+        queued = sum(1 for s, _ in rows if s == "queued")
+        running = sum(1 for s, _ in rows if s in ("running", "cancelling"))
+        live_tokens = sum(int(t or 0) for s, t in rows if s in ("running", "cancelling"))
+        stats = self.r.hgetall(self.stats_key(tenant))
+        return TenantUsage(
+            tenant=tenant,
+            queued=queued,
+            running=running,
+            file_bytes=self.file_bytes(tenant, file_key_prefix),
+            tokens_generated=int(stats.get("tokens", 0)) + live_tokens,
+            jobs_finished=int(stats.get("jobs", 0)),
+        )
