@@ -6,7 +6,7 @@
 template, and ``gguf_source.json`` saying where it came from. The directory lives under
 ``cache_root/<sha256 of the file>/``; it is built in a temporary directory and renamed into place,
 so a directory under its final name is always complete, and a file lock keeps two processes from
-converting the same file at once.
+converting at once.
 
 Metadata (config, tokenizer, chat template) is read by ``transformers``' GGUF support; tensors are
 read with ``gguf.GGUFReader`` and dequantized with ``gguf.quants``. llama.cpp stores the query and
@@ -71,6 +71,8 @@ SUPPORTED_TENSOR_TYPES: tuple[str, ...] = (
 )
 
 SOURCE_FILE = "gguf_source.json"
+#: One lock per cache directory: conversions are rare, and two of one file must not overlap.
+LOCK_FILE = ".convert.lock"
 GGUF_MAGIC = b"GGUF"
 
 _GLOBAL_NAMES = {
@@ -340,7 +342,7 @@ def cached_hf_dir(gguf_path: str | Path, cache_root: str | Path) -> Path:
     final = cache_root / digest
     if final.is_dir():
         return final
-    with _locked(cache_root / f".{digest}.lock"):
+    with _locked(cache_root / LOCK_FILE):
         if final.is_dir():  # another process converted it while we waited
             return final
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{digest[:12]}-", dir=cache_root))
