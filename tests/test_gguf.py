@@ -25,7 +25,15 @@ from safetensors.torch import load_file
 from pagedserve.params import SamplingParams
 from tests.test_engine import hf_greedy, random_prompts
 from worker import LLM
-from worker.gguf import GGUFError, cached_hf_dir, convert, model_name_from_file
+from worker.gguf import (
+    GGUFError,
+    cached_hf_dir,
+    check_supported,
+    convert,
+    dequantize,
+    model_name_from_file,
+    open_gguf,
+)
 from worker.model_source import MODEL_CACHE_ENV, served_model_name
 
 REPO = Path(__file__).resolve().parent.parent
@@ -107,8 +115,11 @@ def write_gguf(
     qtype: GGMLQuantizationType = Q.F32,
     arch: str | None = None,
     name: str = "tiny",
+    tokenizer: bool = True,
+    extra: dict[str, np.ndarray] | None = None,
 ) -> Path:
-    """``model_dir`` (a Hugging Face checkpoint) written as the GGUF file ``out``."""
+    """``model_dir`` (a Hugging Face checkpoint) written as the GGUF file ``out``, with the
+    ``extra`` F32 tensors (GGUF names) added."""
     cfg = json.loads((model_dir / "config.json").read_text())
     arch = arch or cfg["model_type"]
     writer = GGUFWriter(str(out), arch)
@@ -123,7 +134,8 @@ def write_gguf(
     writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_vocab_size(cfg["vocab_size"])
-    _write_tokenizer(writer, model_dir)
+    if tokenizer:
+        _write_tokenizer(writer, model_dir)
     permute = cfg["model_type"] in ("llama", "mistral")
     heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
     for hf_name, t in load_file(str(model_dir / "model.safetensors")).items():
@@ -133,6 +145,8 @@ def write_gguf(
             w = llama_cpp_permute(w, heads[proj])
         data, stored = _encode(w, qtype)
         writer.add_tensor(gguf_name(hf_name), data, raw_dtype=stored)
+    for extra_name, data in (extra or {}).items():
+        writer.add_tensor(extra_name, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -259,6 +273,48 @@ def test_unsupported_tensor_type_is_named(tmp_path: Path) -> None:
     writer.close()
     with pytest.raises(GGUFError, match=r"IQ2_XXS \(blk\.0\.attn_q\.weight\); supported: F32"):
         convert(tmp_path / "iq.gguf", tmp_path / "hf")
+
+
+def test_k_quant_tensors_dequantize_through_our_reader(tmp_path: Path) -> None:
+    """gguf-py cannot write K-quants, so raw blocks are built here (scales set to finite f16)."""
+    rng = np.random.default_rng(0)
+    scale = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    blocks = {}
+    for qtype, nbytes, scale_at in ((Q.Q4_K, 144, (0, 2)), (Q.Q6_K, 210, (208,))):
+        raw = rng.integers(0, 256, (4, nbytes), dtype=np.uint8)
+        for at in scale_at:  # Q4_K: d, dmin first; Q6_K: d last
+            raw[:, at : at + 2] = scale
+        blocks[qtype] = raw
+    writer = GGUFWriter(str(tmp_path / "k.gguf"), "llama")
+    for i, (qtype, raw) in enumerate(blocks.items()):
+        writer.add_tensor(f"blk.{i}.ffn_up.weight", raw, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader = open_gguf(tmp_path / "k.gguf")
+    assert check_supported(reader, "k.gguf") == "llama"
+    for t, (qtype, raw) in zip(reader.tensors, blocks.items(), strict=True):
+        got = dequantize(t)
+        assert got.shape == (4, 256) and got.dtype == torch.float32
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, torch.from_numpy(gguf_dequantize(raw, qtype)))
+
+
+def test_unknown_tensors_and_missing_metadata_fail_clearly(tmp_path: Path, make_tiny_model) -> None:
+    src = make_tiny_model("llama")
+    freqs = {"rope_freqs.weight": np.ones(16, np.float32)}
+    path = write_gguf(src, tmp_path / "l3.gguf", extra=freqs)
+    with pytest.raises(GGUFError, match=r"rope_freqs .*not supported"):
+        convert(path, tmp_path / "a")
+    path = write_gguf(
+        src, tmp_path / "x.gguf", extra={"blk.0.attn_qkv.weight": np.ones(8, np.float32)}
+    )
+    with pytest.raises(GGUFError, match=r"unexpected GGUF tensor 'blk.0.attn_qkv.weight'"):
+        convert(path, tmp_path / "b")
+    path = write_gguf(src, tmp_path / "notok.gguf", tokenizer=False)
+    with pytest.raises(GGUFError, match=r"notok.gguf: cannot read the tokenizer"):
+        convert(path, tmp_path / "c")
 
 
 def test_bad_magic_and_truncated_files_fail_clearly(tmp_path: Path, make_tiny_model) -> None:

@@ -13,6 +13,11 @@ read with ``gguf.GGUFReader`` and dequantized with ``gguf.quants``. llama.cpp st
 key projections of Llama-family models with their rows permuted (its rotary embedding pairs
 adjacent dimensions; Hugging Face pairs the two halves of each head), which is undone here.
 
+Architectures follow the metadata: llama.cpp writes Mistral models as ``llama`` (they then load
+as Llama, which computes the same thing: a GGUF carries no sliding window), a file stating
+``mistral`` loads as Mistral, ``qwen2`` as Qwen2 (not permuted). Weights are written as one fp32
+file, held in memory while converting: fine for small models, not for multi-GB ones.
+
 ``pagedserve import-gguf FILE --out DIR`` converts one file into a directory of one's choice.
 """
 
@@ -188,6 +193,8 @@ def check_supported(reader: GGUFReader, path: str | Path) -> str:
     for t in reader.tensors:
         if t.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
             bad.setdefault(t.tensor_type.name, []).append(t.name)
+    for t in reader.tensors:  # unknown tensor names fail here, before the slow steps
+        hf_tensor_name(t.name)
     if bad:
         detail = "; ".join(
             f"{k} ({', '.join(v[:3])}{', ...' if len(v) > 3 else ''})" for k, v in bad.items()
@@ -249,10 +256,22 @@ def iter_hf_tensors(
 
 
 # ------------------------------------------------------------------------------------ conversion
+@contextmanager
+def _reading_metadata(path: Path, what: str) -> Iterator[None]:
+    """Failures of transformers' GGUF reader as a GGUFError naming the file and the step."""
+    try:
+        yield
+    except GGUFError:
+        raise
+    except Exception as e:
+        raise GGUFError(f"{path}: cannot read the {what} ({type(e).__name__}: {e})") from e
+
+
 def _hf_config(path: Path, arch: str) -> Any:
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    with _reading_metadata(path, "model config"):
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     hf_arch = _HF_ARCHITECTURES.get(config.model_type)
     if hf_arch is None:
         raise GGUFError(f"{path}: architecture {arch!r} read as unsupported {config.model_type!r}")
@@ -307,7 +326,8 @@ def convert(path: str | Path, out: str | Path, sha256: str | None = None) -> GGU
     _write_weights(reader, arch, config, out)
     config.save_pretrained(str(out))
     _write_generation_config(reader, config, out)
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    with _reading_metadata(path, "tokenizer"):
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     tokenizer.save_pretrained(str(out))
     source = GGUFSource(
         source=str(path),
