@@ -242,6 +242,7 @@ def test_cache_converts_once_and_names_entries_by_content(tmp_path: Path, make_t
     src = make_tiny_model("llama")
     path = write_gguf(src, tmp_path / "a.gguf", Q.Q8_0)
     first = cached_hf_dir(path, tmp_path / "cache")
+    assert served_model_name(first, first) == "a"  # the converted directory keeps the file's name
     stamp = (first / "model.safetensors").stat().st_mtime_ns
     assert cached_hf_dir(path, tmp_path / "cache") == first
     assert (first / "model.safetensors").stat().st_mtime_ns == stamp  # not converted again
