@@ -113,19 +113,20 @@ def test_answers_make_sense(llm: LLM) -> None:
 def test_stop_strings_and_stop_tokens_cut_real_text(llm: LLM) -> None:
     greedy = dict(temperature=0, max_tokens=32)
     conv = user("What is the capital of France?")
-    full = llm.chat(conv, SamplingParams(**greedy))[0].outputs[0]
+    (paris_id,) = llm.tokenizer.encode(" Paris", add_special_tokens=False)
+    stops = ("Paris", " is", "of France")
+    params = [SamplingParams(**greedy)] + [SamplingParams(**greedy, stop=[s]) for s in stops]
+    params.append(SamplingParams(**greedy, stop_token_ids=[paris_id]))
+    full, *by_string, by_token = (o.outputs[0] for o in llm.chat([conv] * len(params), params))
     assert full.text.startswith("The capital of France is Paris")
-    for stop in ("Paris", " is", "of France"):
-        got = llm.chat(conv, SamplingParams(**greedy, stop=[stop]))[0].outputs[0]
+    for stop, got in zip(stops, by_string, strict=True):
         assert got.text == full.text[: full.text.index(stop)], stop
         assert stop not in got.text and got.finish_reason == "stop"
-    (paris_id,) = llm.tokenizer.encode(" Paris", add_special_tokens=False)
     at = full.token_ids.index(paris_id)
-    got = llm.chat(conv, SamplingParams(**greedy, stop_token_ids=[paris_id]))[0].outputs[0]
-    assert got.finish_reason == "stop"
-    assert got.token_ids == full.token_ids[: at + 1]  # the stop token ends token_ids ...
-    assert got.text == llm.tokenizer.decode(full.token_ids[:at]) == "The capital of France is"
-    assert "Paris" not in got.text  # ... but never shows in the text
+    assert by_token.finish_reason == "stop"
+    assert by_token.token_ids == full.token_ids[: at + 1]  # the stop token ends token_ids ...
+    assert by_token.text == llm.tokenizer.decode(full.token_ids[:at]) == "The capital of France is"
+    assert "Paris" not in by_token.text  # ... but never shows in the text
 
 
 def test_chat_renders_like_transformers_apply_chat_template(llm: LLM) -> None:
@@ -158,12 +159,12 @@ def test_seeded_sampling_is_reproducible_across_runs_and_batch_mates(llm: LLM) -
     def sampled(seed: int) -> SamplingParams:
         return SamplingParams(temperature=0.7, top_p=0.9, seed=seed, max_tokens=16)
 
-    greedy = SamplingParams(temperature=0, max_tokens=16)
     alone = llm.chat(story, sampled(7))[0].outputs[0].token_ids
-    mates = [user("Name three primary colors."), story, user("What is 2+2?"), story, story, story]
-    params = [greedy, sampled(7), sampled(3), sampled(7), sampled(1), greedy]
-    batch = [o.outputs[0].token_ids for o in llm.chat(mates, params)]
-    assert batch[1] == alone and batch[3] == alone  # batch mates and preemption change nothing
-    assert llm.chat(story, sampled(7))[0].outputs[0].token_ids == alone  # nor a second run
-    assert batch[4] != alone, "another seed samples another story"
-    assert alone != batch[5], "temperature 0.7 samples, it does not decode greedily"
+    params = [SamplingParams(temperature=0, max_tokens=16), sampled(7), sampled(1), sampled(7)]
+    greedy, seven, one, seven_again = (
+        o.outputs[0].token_ids for o in llm.chat([story] * len(params), params)
+    )
+    # Another run, batch mates, and preemption in a 9-block pool change nothing.
+    assert seven == alone and seven_again == alone
+    assert one != alone, "another seed samples another story"
+    assert greedy != alone, "temperature 0.7 samples, it does not decode greedily"
