@@ -94,6 +94,17 @@ def worker_counters(views: list[WorkerView]) -> Iterator[Metric]:
     yield finished
 
 
+def child_restarts(state: AppState) -> CounterMetricFamily:
+    """Restarts of ``pagedserve up``'s children, counted by the supervisor in Redis."""
+    fam = CounterMetricFamily(
+        P + "child_restarts", "Times pagedserve up restarted a child.", labels=["child"]
+    )
+    raw = state.r.hgetall(state.store.keys.supervisor_restarts)
+    for child, n in sorted(raw.items()):
+        fam.add_metric([str(child)], float(n))
+    return fam
+
+
 class PagedServeCollector:
     """Reads Redis once per scrape."""
 
@@ -116,6 +127,7 @@ class PagedServeCollector:
                         views, "time_to_first_token_seconds")  # fmt: skip
         yield histogram("e2e_request_latency_seconds", "End-to-end job latency in seconds.",
                         views, "e2e_request_latency_seconds")  # fmt: skip
+        yield child_restarts(self.state)
 
 
 def render(state: AppState) -> bytes:

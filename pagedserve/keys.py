@@ -10,6 +10,7 @@ Layout (prefix ``ps`` by default)::
     ps:worker:{id}          hash   a worker's heartbeat (with a TTL)
     ps:workers              zset   worker id -> last heartbeat time
     ps:cancel:{consumer}    set    job ids a worker must abort at its next step
+    ps:supervisor:restarts  hash   child name -> times ``pagedserve up`` restarted it
 """
 
 from __future__ import annotations
@@ -68,3 +69,7 @@ class Keys:
 
     def batch(self, batch_id: str) -> str:
         return f"{self.prefix}:batch:{batch_id}"
+
+    @property
+    def supervisor_restarts(self) -> str:
+        return f"{self.prefix}:supervisor:restarts"

@@ -31,7 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pagedserve.redis_util import URL_ENV, LocalRedisServer
+import redis
+
+from pagedserve.keys import Keys
+from pagedserve.redis_util import URL_ENV, LocalRedisServer, connect
 
 log = logging.getLogger("pagedserve.supervisor")
 
@@ -47,6 +50,10 @@ class Child:
     cmd: list[str]
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
+    #: Monotonic times of this child's restarts (pruned to the policy's window).
+    restart_times: list[float] = field(default_factory=list)
+    #: When a pending restart is due (None: none pending).
+    restart_at: float | None = None
 
     def start(self, env: dict[str, str]) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -73,9 +80,37 @@ class Child:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: pgid == its pid
+        self.kill_group()
         return self.proc.returncode
+
+    def kill_group(self) -> None:
+        """SIGKILL what is left in the child's process group (its own session: pgid == pid)."""
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How ``up`` answers a child that exits on its own.
+
+    It restarts the child after a backoff that doubles with each restart of that child within
+    ``window_s`` (``backoff_s``, 2x, 4x ... capped at ``max_backoff_s``), and gives up once the
+    child has been restarted ``max_restarts`` times within ``window_s``: a crash loop that a
+    restart will not cure stops the whole stack with a message naming the child and its log.
+    """
+
+    backoff_s: float = 0.5
+    max_backoff_s: float = 15.0
+    max_restarts: int = 5
+    window_s: float = 120.0
+
+    def recent(self, times: list[float], now: float) -> list[float]:
+        """The restart times still inside the window."""
+        return [t for t in times if now - t < self.window_s]
+
+    def backoff(self, recent_restarts: int) -> float:
+        return min(self.max_backoff_s, self.backoff_s * 2**recent_restarts)
 
 
 @dataclass
@@ -90,6 +125,7 @@ class UpConfig:
     api: bool = True
     control_plane: bool = True
     grace_s: float = 30.0
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
 
 
 def _has_module(name: str) -> bool:
@@ -171,15 +207,57 @@ class Supervisor:
         self._stop = True
 
     def wait(self) -> int:
-        """Until a stop is requested (0) or a child exits on its own (1)."""
+        """Until a stop is requested (0) or a child crash-loops (1); restarts exited children."""
         while not self._stop:
+            now = time.monotonic()
             for child in self.children:
-                if not child.running:
-                    code = child.proc.returncode if child.proc else None
-                    print(f"{child.name} exited with {code}; see {child.log_path}", file=sys.stderr)
-                    return 1
+                if child.running:
+                    continue
+                if child.restart_at is None:
+                    if not self._schedule_restart(child, now):
+                        return 1
+                elif now >= child.restart_at:
+                    self._restart(child, now)
             time.sleep(0.2)
         return 0
+
+    def _schedule_restart(self, child: Child, now: float) -> bool:
+        """Plan the restart of an exited child; False when it is crash-looping."""
+        code = child.proc.returncode if child.proc else None
+        child.kill_group()  # e.g. gunicorn workers whose master was killed
+        policy = self.cfg.restart
+        child.restart_times = policy.recent(child.restart_times, now)
+        n = len(child.restart_times)
+        if n >= policy.max_restarts:
+            log.error(
+                "%s exited with %s after %d restarts within %.0f s: crash loop, giving up and "
+                "stopping everything; see %s",
+                child.name, code, n, policy.window_s, child.log_path,
+            )  # fmt: skip
+            return False
+        delay = policy.backoff(n)
+        child.restart_at = now + delay
+        log.warning(
+            "%s exited with %s; restarting in %.1f s (restart %d of at most %d within %.0f s); "
+            "see %s",
+            child.name, code, delay, n + 1, policy.max_restarts, policy.window_s, child.log_path,
+        )  # fmt: skip
+        return True
+
+    def _restart(self, child: Child, now: float) -> None:
+        child.restart_times.append(now)
+        child.restart_at = None
+        child.start(self.env())
+        log.warning("%s restarted (pid %s)", child.name, child.proc.pid if child.proc else None)
+        self._count_restart(child.name)
+
+    def _count_restart(self, name: str) -> None:
+        """``HINCRBY <prefix>:supervisor:restarts <child> 1``, read by the API's /metrics."""
+        try:
+            with connect(self.redis_url) as r:
+                r.hincrby(Keys(self.cfg.prefix).supervisor_restarts, name, 1)
+        except redis.RedisError as e:
+            log.warning("could not count the restart of %s in Redis: %s", name, e)
 
     def stop(self) -> None:
         for child in reversed(self.children):
@@ -327,6 +405,11 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         default=[],
         help="extra worker option (repeatable), e.g. --worker-arg=--max-num-seqs=64",
     )
+    r = ap.add_argument_group("restarts of a child that exits on its own")
+    r.add_argument("--max-restarts", type=int, default=5, help="per child within the window")
+    r.add_argument("--restart-window-s", type=float, default=120.0)
+    r.add_argument("--restart-backoff-s", type=float, default=0.5, help="first delay; doubles")
+    r.add_argument("--restart-backoff-max-s", type=float, default=15.0)
     if prog == "demo":
         ap.add_argument("--jobs", type=int, default=24)
         ap.add_argument("--keep", action="store_true", help="keep serving after the demo")
@@ -345,6 +428,18 @@ def _config(args: argparse.Namespace) -> UpConfig:
         api=not args.no_api,
         control_plane=not args.no_control_plane,
         grace_s=args.grace_s,
+        restart=RestartPolicy(
+            backoff_s=args.restart_backoff_s,
+            max_backoff_s=args.restart_backoff_max_s,
+            max_restarts=args.max_restarts,
+            window_s=args.restart_window_s,
+        ),
+    )
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s supervisor: %(message)s"
     )
 
 
@@ -355,6 +450,7 @@ def _up_line(sup: Supervisor) -> dict[str, Any]:
 
 def up_main(argv: Sequence[str] | None = None) -> int:
     args = _parser("up").parse_args(argv)
+    _setup_logging()
     sup = Supervisor(_config(args))
     _install_signals(sup)
     try:
@@ -367,6 +463,7 @@ def up_main(argv: Sequence[str] | None = None) -> int:
 
 def demo_main(argv: Sequence[str] | None = None) -> int:
     args = _parser("demo").parse_args(argv)
+    _setup_logging()
     sup = Supervisor(_config(args))
     _install_signals(sup)
     try:
