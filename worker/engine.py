@@ -23,6 +23,7 @@ from scheduler.scheduler import Scheduler, SchedulerConfig, SequenceRejected, To
 from scheduler.sequence import FinishReason, Priority, Sequence, StopConditions
 from worker.detokenizer import IncrementalDetokenizer
 from worker.model_runner import ModelRunner
+from worker.model_source import resolve_model, served_model_name
 from worker.outputs import (
     CompletionOutput,
     EngineConfig,
@@ -94,8 +95,9 @@ class Engine:
         self.config = cfg
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
-        self.model_dir = Path(model_dir)
-        self.model_name = self.model_dir.name
+        # A .gguf file is converted once into a cached checkpoint directory (worker.gguf).
+        self.model_dir = resolve_model(model_dir)
+        self.model_name = served_model_name(model_dir, self.model_dir)
         self.runner = ModelRunner(self.model_dir, cfg, cfg.max_model_len)
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.model.config.vocab_size

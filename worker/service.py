@@ -527,7 +527,7 @@ def _size(text: str) -> int:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="pagedserve worker", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", required=True, help="checkpoint directory")
+    ap.add_argument("--model", required=True, help="checkpoint directory or .gguf file")
     ap.add_argument("--worker-id", default=None, help="consumer name (default: host-pid)")
     ap.add_argument("--redis", default=None, help="Redis URL (default: $PAGEDSERVE_REDIS_URL)")
     ap.add_argument("--prefix", default=None, help="key prefix (default: $PAGEDSERVE_PREFIX/ps)")
