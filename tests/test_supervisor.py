@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import selectors
 import signal
 import socket
@@ -26,7 +27,9 @@ from pathlib import Path
 import pytest
 
 from pagedserve.client import Client
+from pagedserve.demo import BATCH_QUESTIONS, DEMO_QUESTIONS
 from pagedserve.supervisor import RestartPolicy
+from worker.model_source import DEFAULT_MODEL_NAME, default_model_path
 
 #: Test-sized worker options (passed through the supervisor's --worker-arg).
 WORKER_ARGS = (
@@ -110,16 +113,20 @@ def logs(home: Path) -> str:
 
 
 def test_demo_runs_and_leaves_nothing(tmp_path: Path) -> None:
+    """The demo serves the embedded default when its wheel is installed (else the tiny random
+    model, built on the fly): its greedy answers to simple questions, asked as chat jobs and as
+    batch lines, are right, and the batch's output file holds them."""
+    real = default_model_path() is not None
     home = tmp_path / "home"
     cmd = [sys.executable, "-m", "pagedserve", "demo", "--home", str(home)]
-    cmd += ["--port", str(free_port()), "--jobs", "4", "--grace-s", "10", *WORKER_ARGS]
+    cmd += ["--port", str(free_port()), "--jobs", "4", "--batch-lines", "16", "--grace-s", "10"]
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env_for(tmp_path)
+        [*cmd, *WORKER_ARGS], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env_for(tmp_path)
     )
     sessions: set[int] = set()
     try:
         try:
-            out, err = proc.communicate(timeout=150)
+            out, err = proc.communicate(timeout=300)
         except subprocess.TimeoutExpired:
             proc.kill()
             out, err = proc.communicate(timeout=10)
@@ -132,12 +139,30 @@ def test_demo_runs_and_leaves_nothing(tmp_path: Path) -> None:
         assert set(up["up"]) == {"worker", "control-plane", "api"}
         assert {"redis", "worker", "control-plane", "api"} <= set(summary["pids"])
         assert summary["jobs"] == 4 and summary["statuses"] == {"succeeded": 4}
-        assert summary["sample"]["completion"]
+        answers = [a["answer"] for a in summary["answers"]]
+        assert [a["question"] for a in summary["answers"]] == list(DEMO_QUESTIONS[:4])
+        assert all(answers)
         batch = summary["batch"]
         assert batch["status"] == "completed" and batch["output_file_id"]
-        assert batch["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
+        assert batch["request_counts"] == {"total": 16, "completed": 16, "failed": 0}
+        lines = [json.loads(x) for x in Path(batch["output_path"]).read_text().splitlines()]
+        assert sorted(x["custom_id"] for x in lines) == sorted(f"q-{i}" for i in range(16))
+        by_id = {x["custom_id"]: x["response"]["body"] for x in lines}
+        assert all(b["choices"][0]["message"]["content"] for b in by_id.values())
+        assert {b["model"] for b in by_id.values()} == {summary["model"]}
         assert summary["look"]["api"].startswith("http://127.0.0.1:")
-        assert (home / "models" / "tiny-llama" / "config.json").exists()  # built on the fly
+        if real:
+            assert summary["model"] == DEFAULT_MODEL_NAME
+            assert "serving the embedded default" in text
+            assert "Paris" in answers[0] and re.search(r"\b4\b", answers[1]), answers
+            assert BATCH_QUESTIONS[0] == "What is the capital of France?"
+            assert "Paris" in by_id["q-0"]["choices"][0]["message"]["content"]
+            assert BATCH_QUESTIONS[15] == "What is 2+2?"
+            assert re.search(r"\b4\b", by_id["q-15"]["choices"][0]["message"]["content"])
+            assert not (home / "models").exists()  # nothing built
+        else:
+            assert summary["model"] == "tiny-llama" and "tiny RANDOM model" in text
+            assert (home / "models" / "tiny-llama" / "config.json").exists()  # built on the fly
         wait_no_leftovers(home, sessions)
     finally:
         kill_all(proc, sessions)
