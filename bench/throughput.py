@@ -73,7 +73,7 @@ PRESETS = {
     "full": Preset(96, 96, 96, (8, 16, 32)),
     # The embedded real model (SmolLM2-135M-Instruct), sized as in PEERS.md for it.
     "smollm2": Preset(
-        48, 48, 48, (8, 16), ("mixed", "uniform"), (16, 384), (16, 160), default_model=True
+        48, 48, 48, (16,), ("mixed", "uniform"), (16, 384), (16, 160), default_model=True
     ),
 }
 
@@ -231,7 +231,13 @@ def vllm_env(threads: int, preload: str | None = None) -> dict[str, str]:
 
 def run_child(cmd: list[str], env: dict[str, str], out: Path, timeout: float) -> dict[str, Any]:
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    try:
+        proc = subprocess.run(
+            cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        # One slow peer must not cost the figures of the others.
+        return {"ok": False, "error": f"timed out after {timeout:.0f} s (--timeout)"}
     if proc.returncode != 0 or not out.exists():
         tail = (proc.stderr or proc.stdout)[-1500:]
         return {"ok": False, "error": f"exit {proc.returncode}: {tail}"}

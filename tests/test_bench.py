@@ -28,6 +28,7 @@ from bench.throughput import (
     pick_systems,
     pick_workloads,
     ratio,
+    run_child,
     vllm_env,
     vllm_preload,
 )
@@ -79,6 +80,12 @@ def test_a_tied_output_head_counts_as_computed_parameters(make_tiny_model: Any) 
     assert model_numbers(tied)[1] == sum(stored.values())
     stored = _stored(untied)
     assert model_numbers(untied)[1] == sum(stored.values()) - stored["model.embed_tokens.weight"]
+
+
+def test_a_peer_past_its_timeout_fails_alone(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-c", "import time; time.sleep(30)"]
+    res = run_child(cmd, {}, tmp_path / "never.json", timeout=0.5)
+    assert res["ok"] is False and "timed out after" in res["error"]
 
 
 def test_median_and_ratio() -> None:
