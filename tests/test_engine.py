@@ -190,6 +190,7 @@ def test_stop_token_ids_and_eos(make_tiny_model) -> None:
     )[0]
     first = ref.index(ref[4])
     assert out.outputs[0].token_ids == ref[: first + 1] and out.outputs[0].finish_reason == "stop"
+    assert out.outputs[0].text == llm.tokenizer.decode(ref[:first])  # the stop token's text is not
 
 
 def test_logprobs_are_the_models(make_tiny_model) -> None:

@@ -316,7 +316,8 @@ class Engine:
         out = comp.out
         out.token_ids.append(upd.token_id)
         out.new_token_ids.append(upd.token_id)
-        if comp.detok is not None:
+        # A stop token (EOS, stop_token_ids) stays in token_ids but not in the text, as in vLLM.
+        if comp.detok is not None and upd.finish_reason is not FinishReason.STOP:
             delta, stopped = comp.detok.add([upd.token_id])
             out.text_delta += delta
             if stopped and upd.finish_reason is None:

@@ -6,12 +6,17 @@
 template, and ``gguf_source.json`` saying where it came from. The directory lives under
 ``cache_root/<sha256 of the file>/``; it is built in a temporary directory and renamed into place,
 so a directory under its final name is always complete, and a file lock keeps two processes from
-converting the same file at once.
+converting at once.
 
 Metadata (config, tokenizer, chat template) is read by ``transformers``' GGUF support; tensors are
 read with ``gguf.GGUFReader`` and dequantized with ``gguf.quants``. llama.cpp stores the query and
 key projections of Llama-family models with their rows permuted (its rotary embedding pairs
 adjacent dimensions; Hugging Face pairs the two halves of each head), which is undone here.
+
+Architectures follow the metadata: llama.cpp writes Mistral models as ``llama`` (they then load
+as Llama, which computes the same thing: a GGUF carries no sliding window), a file stating
+``mistral`` loads as Mistral, ``qwen2`` as Qwen2 (not permuted). Weights are written as one fp32
+file, held in memory while converting: fine for small models, not for multi-GB ones.
 
 ``pagedserve import-gguf FILE --out DIR`` converts one file into a directory of one's choice.
 """
@@ -71,6 +76,8 @@ SUPPORTED_TENSOR_TYPES: tuple[str, ...] = (
 )
 
 SOURCE_FILE = "gguf_source.json"
+#: One lock per cache directory: conversions are rare, and two of one file must not overlap.
+LOCK_FILE = ".convert.lock"
 GGUF_MAGIC = b"GGUF"
 
 _GLOBAL_NAMES = {
@@ -186,6 +193,8 @@ def check_supported(reader: GGUFReader, path: str | Path) -> str:
     for t in reader.tensors:
         if t.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
             bad.setdefault(t.tensor_type.name, []).append(t.name)
+    for t in reader.tensors:  # unknown tensor names fail here, before the slow steps
+        hf_tensor_name(t.name)
     if bad:
         detail = "; ".join(
             f"{k} ({', '.join(v[:3])}{', ...' if len(v) > 3 else ''})" for k, v in bad.items()
@@ -247,10 +256,22 @@ def iter_hf_tensors(
 
 
 # ------------------------------------------------------------------------------------ conversion
+@contextmanager
+def _reading_metadata(path: Path, what: str) -> Iterator[None]:
+    """Failures of transformers' GGUF reader as a GGUFError naming the file and the step."""
+    try:
+        yield
+    except GGUFError:
+        raise
+    except Exception as e:
+        raise GGUFError(f"{path}: cannot read the {what} ({type(e).__name__}: {e})") from e
+
+
 def _hf_config(path: Path, arch: str) -> Any:
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    with _reading_metadata(path, "model config"):
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     hf_arch = _HF_ARCHITECTURES.get(config.model_type)
     if hf_arch is None:
         raise GGUFError(f"{path}: architecture {arch!r} read as unsupported {config.model_type!r}")
@@ -305,7 +326,8 @@ def convert(path: str | Path, out: str | Path, sha256: str | None = None) -> GGU
     _write_weights(reader, arch, config, out)
     config.save_pretrained(str(out))
     _write_generation_config(reader, config, out)
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    with _reading_metadata(path, "tokenizer"):
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     tokenizer.save_pretrained(str(out))
     source = GGUFSource(
         source=str(path),
@@ -340,7 +362,7 @@ def cached_hf_dir(gguf_path: str | Path, cache_root: str | Path) -> Path:
     final = cache_root / digest
     if final.is_dir():
         return final
-    with _locked(cache_root / f".{digest}.lock"):
+    with _locked(cache_root / LOCK_FILE):
         if final.is_dir():  # another process converted it while we waited
             return final
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{digest[:12]}-", dir=cache_root))

@@ -71,12 +71,14 @@ def resolve_model(spec: str | Path) -> Path:
 
 def served_model_name(spec: str | Path, resolved: str | Path) -> str:
     """The name a model is served under: a GGUF file's stem without its quantisation label
-    (``SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``SmolLM2-135M-Instruct``), else the directory name."""
-    if is_gguf(spec):
-        from worker.gguf import model_name_from_file
+    (``SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``SmolLM2-135M-Instruct``), also when given its
+    converted directory; else the directory's name."""
+    from worker.gguf import model_name_from_file, read_source
 
+    if is_gguf(spec):
         return model_name_from_file(spec)
-    return Path(resolved).name
+    source = read_source(resolved)
+    return source.name if source is not None else Path(resolved).name
 
 
 def available_models(cache_root: Path | None = None) -> dict[str, Any]:
