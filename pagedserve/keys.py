@@ -14,6 +14,7 @@ Layout (prefix ``ps`` by default)::
     ps:bidem:{batch}:{hash} string a batch request's idempotency key (fan-out only)
     ps:file:{id}[:chunks]   hash   file meta (and content), list of content chunks
     ps:files                zset   file id -> creation sequence number
+    ps:supervisor:restarts  hash   child name -> times ``pagedserve up`` restarted it
 """
 
 from __future__ import annotations
@@ -151,3 +152,7 @@ class Keys:
     def tenant_files(self, tenant: str) -> str:
         """One tenant's stored files: hash file id -> bytes (pagedserve.tenants)."""
         return f"{self.tenant(tenant)}:files"
+
+    @property
+    def supervisor_restarts(self) -> str:
+        return f"{self.prefix}:supervisor:restarts"

