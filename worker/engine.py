@@ -4,6 +4,11 @@
 tokens under one budget), the model runner computes them, the sampler draws the next token of every
 sequence that reached its end, and the scheduler appends them, applies stop conditions and frees
 finished sequences at once, so waiting requests join at the very next step.
+
+A request's state is held once (``worker.request_state``): each step returns, for every request
+that changed, a ``RequestOutput`` with the cumulative tokens and text of its completions and the
+step's increments derived from them; ``abort`` returns the partial one. Counters and the typed
+heartbeat telemetry are in ``worker.engine_stats``.
 """
 
 from __future__ import annotations

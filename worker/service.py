@@ -17,6 +17,11 @@ reason, a lease that cannot be read dead-letters its entry, and the loop goes on
 
 SIGTERM / SIGINT drain: no more claims, running jobs get ``--grace-s`` seconds, the rest go back to
 the queue (``store.release``), exit status 0.
+
+A job's tokens and text are the engine's: each step's ``RequestOutput`` is cumulative, and the
+loop's per-job state (``worker.job_state``) is the lease, a flush timer and a cursor of what was
+published. Around this module: ``worker.service_config`` (options and argparse),
+``worker.redis_guard`` (backoff, Redis clock), ``worker.service_telemetry`` (the heartbeat).
 """
 
 from __future__ import annotations
