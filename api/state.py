@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,20 +67,25 @@ class ContextCache:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-def _positive_int(v: Any) -> int | None:
-    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+def parse_heartbeats(raw: dict[str, dict[str, Any]]) -> dict[str, WorkerHeartbeat]:
+    """``JobStore.workers()`` validated: one typed heartbeat per worker, sorted by id; a malformed
+    one is logged (``WorkerHeartbeat.parse_published``) and left out."""
+    out: dict[str, WorkerHeartbeat] = {}
+    for wid in sorted(raw):
+        hb = WorkerHeartbeat.parse_published({"worker_id": wid, **raw[wid]})
+        if hb is not None:
+            out[wid] = hb
+    return out
 
 
-def context_limits_of(workers: dict[str, dict[str, Any]]) -> dict[str | None, ContextLimits]:
+def context_limits_of(workers: Iterable[WorkerHeartbeat]) -> dict[str | None, ContextLimits]:
     """Smallest ``max_model_len`` / ``max_token_bytes`` per served model and over all workers."""
     out: dict[str | None, ContextLimits] = {}
-    for fields in workers.values():
-        mml = _positive_int(fields.get("max_model_len"))
-        if mml is None:
+    for hb in workers:
+        if hb.max_model_len is None:
             continue
-        mtb = _positive_int(fields.get("max_token_bytes"))
-        model = fields.get("model") if isinstance(fields.get("model"), str) else None
-        for key in {model, None}:
+        mml, mtb = hb.max_model_len, hb.max_token_bytes
+        for key in {hb.model, None}:
             cur = out.get(key)
             if cur is None:
                 out[key] = ContextLimits(mml, mtb)
@@ -105,7 +111,8 @@ class AppState:
         now = time.monotonic()
         with self.contexts.lock:
             if now - self.contexts.at > self.config.context_cache_s:
-                self.contexts.limits = context_limits_of(self.store.workers())
+                hbs = parse_heartbeats(self.store.workers()).values()
+                self.contexts.limits = context_limits_of(hbs)
                 self.contexts.at = now
             return self.contexts.limits.get(model)
 
@@ -118,12 +125,8 @@ class AppState:
         raw = self.store.workers()
         now = self.redis_now()
         out: list[WorkerView] = []
-        for wid in sorted(raw):
-            fields = raw[wid]
-            hb = WorkerHeartbeat.parse_published({"worker_id": wid, **fields})
-            if hb is None:
-                continue
-            last_seen = float(fields.get("last_seen") or 0.0)
+        for wid, hb in parse_heartbeats(raw).items():
+            last_seen = float(raw[wid].get("last_seen") or 0.0)
             out.append(WorkerView(hb, last_seen, max(0.0, now - last_seen)))
         return out
 

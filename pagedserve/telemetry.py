@@ -9,9 +9,12 @@ handles.
 from __future__ import annotations
 
 import bisect
+import logging
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
+
+log = logging.getLogger("pagedserve.telemetry")
 
 #: Latency buckets in seconds (time to first token and end-to-end), shared by workers and the API.
 LATENCY_BUCKETS: tuple[float, ...] = (
@@ -68,6 +71,20 @@ class RunningJob(BaseModel):
     max_tokens: int | None = None
 
 
+class EngineTelemetry(BaseModel):
+    """What the engine reports to the service loop each heartbeat (``Engine.heartbeat_stats``)."""
+
+    steps: int = 0
+    running: int = 0
+    waiting: int = 0
+    tokens_generated: int = 0  # cumulative output tokens
+    prompt_tokens: int = 0  # cumulative prompt tokens computed
+    preemptions: int = 0
+    throughput_tok_s: float = 0.0  # the engine's own rate over its last ~10 s of steps
+    prefix_cache: PrefixCacheSnapshot = Field(default_factory=PrefixCacheSnapshot)
+    pool: PoolSnapshot | None = None
+
+
 class WorkerHeartbeat(BaseModel):
     """Published by ``store.heartbeat(worker_id, hb.model_dump())`` about once a second."""
 
@@ -90,11 +107,19 @@ class WorkerHeartbeat(BaseModel):
     jobs: list[RunningJob] = Field(default_factory=list)
     time_to_first_token_seconds: Histogram = Field(default_factory=Histogram)
     e2e_request_latency_seconds: Histogram = Field(default_factory=Histogram)
+    # The served model's context, for the API's length check (``api.jobs.check_context``):
+    # ``worker.pretokenize.context_info``. ``max_token_bytes``: most UTF-8 bytes one token of the
+    # vocabulary stands for (None: no tokenizer, text cannot be bounded).
+    max_model_len: int | None = Field(default=None, gt=0)
+    max_token_bytes: int | None = Field(default=None, gt=0)
 
     @classmethod
     def parse_published(cls, fields: dict[str, Any]) -> WorkerHeartbeat | None:
-        """Read back what ``JobStore.workers()`` returns for one worker (None if malformed)."""
+        """Read back what ``JobStore.workers()`` returns for one worker; a malformed heartbeat is
+        logged with the validation error and read as None (the worker counts as not live)."""
         try:
             return cls.model_validate({k: v for k, v in fields.items() if k in cls.model_fields})
-        except ValueError:
+        except ValidationError as exc:
+            wid = fields.get("worker_id", "?")
+            log.warning("malformed heartbeat of worker %r ignored: %s", wid, exc)
             return None

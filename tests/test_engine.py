@@ -248,3 +248,26 @@ def test_bfloat16_runs_on_cpu(make_tiny_model) -> None:
     prompts = random_prompts(9, 3, 4, 30)
     outs = LLM(model_dir, num_kv_blocks=64, dtype="bfloat16").generate(prompts, GREEDY)
     assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
+
+
+def test_outputs_are_cumulative_and_abort_returns_the_partial_output(make_tiny_model) -> None:
+    """Each step's output holds the whole completion so far; its deltas are exactly what is new
+    since the previous output; abort hands back what was generated, ended by "abort"."""
+    model_dir = make_tiny_model("llama")
+    llm = LLM(model_dir, num_kv_blocks=64)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, n=2, seed=1)
+    engine.add_request("a", "def main():", params)
+    seen: dict[int, tuple[list[int], str]] = {0: ([], ""), 1: ([], "")}
+    for _ in range(6):
+        for out in engine.step():
+            for c in out.outputs:
+                ids, text = seen[c.index]
+                assert c.token_ids == ids + c.new_token_ids and c.text == text + c.text_delta
+                seen[c.index] = (list(c.token_ids), c.text)
+    assert all(len(ids) >= 4 for ids, _ in seen.values())
+    partial = engine.abort("a")
+    assert partial is not None and partial.finished and not engine.has_unfinished()
+    assert [c.finish_reason for c in partial.outputs] == ["abort", "abort"]
+    assert {c.index: (c.token_ids, c.text) for c in partial.outputs} == seen
+    assert engine.abort("a") is None and engine.abort("never") is None

@@ -133,17 +133,20 @@ def test_job_state_replay_resends_everything_after_a_restart(redis_url: str) -> 
     """A job re-delivered to the worker that still runs it (it reclaimed its own entry) gets a
     restart event from the lease; the worker then sends all it has so far again, so that a
     follower that started over ends with the whole text."""
-    from worker.outputs import CompletionOutput
+    from worker.outputs import CompletionOutput, RequestOutput
     from worker.service import JobState
+
+    def output(ids: list[int], text: str) -> RequestOutput:  # the engine's cumulative output
+        return RequestOutput(jid, [7], [CompletionOutput(0, ids, text, num_new_tokens=1)])
 
     client = Client(redis_url)
     store = client.store
     jid = client.submit("p", SHORT)
     (first,) = store.claim("w", 1)
     st = JobState(first, 0.0, 4)
-    st.absorb(CompletionOutput(index=0, new_token_ids=[1, 2], text_delta="ab"))
+    st.observe(output([1, 2], "ab"))
     assert store.commit_step(progress=st.take_progress()).lost == []
-    st.absorb(CompletionOutput(index=0, new_token_ids=[3], text_delta="c"))  # not sent yet
+    st.observe(output([1, 2, 3], "abc"))  # the last token not sent yet
     (again,) = store.reclaim("w", 0, 1)
     assert again.deliveries == 2
     st.lease = again

@@ -4,80 +4,40 @@
 tokens under one budget), the model runner computes them, the sampler draws the next token of every
 sequence that reached its end, and the scheduler appends them, applies stop conditions and frees
 finished sequences at once, so waiting requests join at the very next step.
+
+A request's state is held once (``worker.request_state``): each step returns, for every request
+that changed, a ``RequestOutput`` with the cumulative tokens and text of its completions and the
+step's increments derived from them; ``abort`` returns the partial one. Counters and the typed
+heartbeat telemetry are in ``worker.engine_stats``.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from pagedserve.params import SamplingParams
-from pagedserve.telemetry import BLOCK_CACHED, BLOCK_FREE, BLOCK_IN_USE, BLOCK_SHARED
-from scheduler.block_pool import BlockState, PoolOccupancy
+from pagedserve.telemetry import EngineTelemetry
+from scheduler.block_pool import PoolOccupancy
 from scheduler.output import SchedulerOutput
 from scheduler.scheduler import Scheduler, SchedulerConfig, SequenceRejected, TokenUpdate
 from scheduler.sequence import FinishReason, Priority, Sequence, StopConditions
-from worker.detokenizer import IncrementalDetokenizer
+from worker.engine_stats import EngineStats, StatsKeeper
 from worker.model_runner import ModelRunner
 from worker.model_source import resolve_model, served_model_name
-from worker.outputs import (
-    CompletionOutput,
-    EngineConfig,
-    RequestOutput,
-    RequestRejected,
-)
+from worker.outputs import EngineConfig, RequestOutput, RequestRejected
+from worker.request_state import CompletionState, RequestState, new_completion
 from worker.sampler import Sampler, SampleRow
 
 log = logging.getLogger(__name__)
 
 _PRIORITIES = {"interactive": Priority.INTERACTIVE, "bulk": Priority.BULK}
 
-# The scheduler's block-state bytes -> the heartbeat's block-state characters. The two packages may
-# not import each other, so this table, matched by name, is the one place the codes meet.
-_WIRE_BLOCK_STATES = bytes.maketrans(
-    bytes([BlockState.FREE, BlockState.IN_USE, BlockState.CACHED, BlockState.SHARED]),
-    (BLOCK_FREE + BLOCK_IN_USE + BLOCK_CACHED + BLOCK_SHARED).encode("ascii"),
-)
-
-
-@dataclass(slots=True)
-class _Completion:
-    index: int
-    detok: IncrementalDetokenizer | None
-    generator: torch.Generator | None
-    out: CompletionOutput
-    seq_id: int | None = None
-
-
-@dataclass(slots=True)
-class _Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    completions: list[_Completion]
-    arrival: float
-    forked: bool = False  # n > 1: children created at the parent's first sample
-    first_token_at: float | None = None
-    num_cached_tokens: int = 0
-
-
-@dataclass
-class EngineStats:
-    running: int = 0
-    waiting: int = 0
-    steps: int = 0
-    preemptions: int = 0
-    tokens_generated: int = 0
-    prompt_tokens: int = 0
-    requests_finished: int = 0
-    prefix_cache: dict[str, float] = field(default_factory=dict)
-    tokens_per_second: float = 0.0
+__all__ = ["Engine", "EngineStats"]
 
 
 def _load_tokenizer(model_dir: Path) -> Any | None:
@@ -121,10 +81,9 @@ class Engine:
             )
         )
         self.sampler = Sampler()
-        self._requests: dict[str, _Request] = {}
-        self._by_seq: dict[int, tuple[_Request, _Completion]] = {}
-        self._stats = EngineStats()
-        self._recent: list[tuple[float, int]] = []  # (time, tokens) of recent steps
+        self._requests: dict[str, RequestState] = {}
+        self._by_seq: dict[int, tuple[RequestState, CompletionState]] = {}
+        self._stats = StatsKeeper()
 
     # ----------------------------------------------------------------- requests
     def tokenize(
@@ -202,40 +161,24 @@ class Engine:
             )  # fmt: skip
         except SequenceRejected as exc:
             raise RequestRejected(str(exc)) from exc
-        completions = [self._new_completion(i, ids, params) for i in range(params.n)]
-        req = _Request(request_id, text, ids, params, completions, time.monotonic())
+        completions = [new_completion(i, ids, params, self.tokenizer) for i in range(params.n)]
+        req = RequestState(request_id, text, ids, params, completions, time.monotonic())
         completions[0].seq_id = seq.seq_id
         self._requests[request_id] = req
         self._by_seq[seq.seq_id] = (req, completions[0])
 
-    def _new_completion(
-        self, index: int, prompt_ids: list[int], params: SamplingParams
-    ) -> _Completion:
-        detok = None
-        if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(
-                self.tokenizer, prompt_ids, list(params.stop), params.include_stop_str_in_output
-            )
-        gen = None
-        if params.seed is not None and not params.greedy:
-            gen = torch.Generator().manual_seed(params.seed + index)
-        return _Completion(
-            index,
-            detok,
-            gen,
-            CompletionOutput(index, logprobs=[] if params.logprobs is not None else None),
-        )
-
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request; returns its partial output (unfinished completions end by "abort"),
+        or None for an unknown or already finished one."""
         req = self._requests.pop(request_id, None)
         if req is None:
-            return False
+            return None
         for seq in self.scheduler.abort(request_id):
             self._by_seq.pop(seq.seq_id, None)
         for c in req.completions:
             if c.out.finish_reason is None:
                 c.out.finish_reason = FinishReason.ABORT.value
-        return True
+        return req.output()
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
@@ -252,21 +195,21 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         logits = self.runner.execute(out)
-        changed: dict[str, _Request] = {}
+        changed: dict[str, RequestState] = {}
         if logits is not None:
             pairs = self._sample(out, logits, changed)
             for upd in self.scheduler.postprocess(pairs):
                 self._on_token(upd, changed)
         for seq in self.scheduler.take_finished():
             self._on_finished_elsewhere(seq, changed)
-        self._account(out)
+        self._stats.account(out)
         return [self._output(r) for r in changed.values()]
 
     def _sample(
-        self, out: SchedulerOutput, logits: torch.Tensor, changed: dict[str, _Request]
+        self, out: SchedulerOutput, logits: torch.Tensor, changed: dict[str, RequestState]
     ) -> list[tuple[int, int]]:
         rows: list[SampleRow] = []
-        owners: list[tuple[_Request, _Completion]] = []
+        owners: list[tuple[RequestState, CompletionState]] = []
         for s in out.scheduled:
             if not s.sample:
                 continue
@@ -310,18 +253,15 @@ class Engine:
             changed[req.request_id] = req
         return pairs
 
-    def _on_token(self, upd: TokenUpdate, changed: dict[str, _Request]) -> None:
+    def _on_token(self, upd: TokenUpdate, changed: dict[str, RequestState]) -> None:
         entry = self._by_seq.get(upd.seq.seq_id)
         if entry is None:
             return
         req, comp = entry
-        out = comp.out
-        out.token_ids.append(upd.token_id)
-        out.new_token_ids.append(upd.token_id)
+        comp.out.token_ids.append(upd.token_id)
         # A stop token (EOS, stop_token_ids) stays in token_ids but not in the text, as in vLLM.
         if comp.detok is not None and upd.finish_reason is not FinishReason.STOP:
-            delta, stopped = comp.detok.add([upd.token_id])
-            out.text_delta += delta
+            _, stopped = comp.detok.add([upd.token_id])
             if stopped and upd.finish_reason is None:
                 self.scheduler.finish(upd.seq, FinishReason.STOP)
                 self._finish_completion(req, comp, FinishReason.STOP.value)
@@ -330,107 +270,32 @@ class Engine:
             self._finish_completion(req, comp, upd.finish_reason.value)
         changed[req.request_id] = req
 
-    def _on_finished_elsewhere(self, seq: Sequence, changed: dict[str, _Request]) -> None:
+    def _on_finished_elsewhere(self, seq: Sequence, changed: dict[str, RequestState]) -> None:
         entry = self._by_seq.get(seq.seq_id)
         if entry is not None:
             req, comp = entry
             self._finish_completion(req, comp, (seq.finish_reason or FinishReason.LENGTH).value)
             changed[req.request_id] = req
 
-    def _finish_completion(self, req: _Request, comp: _Completion, reason: str) -> None:
-        out = comp.out
-        if comp.detok is not None:
-            out.text_delta += comp.detok.flush()
-            out.text = comp.detok.text
-        out.finish_reason = reason
+    def _finish_completion(self, req: RequestState, comp: CompletionState, reason: str) -> None:
+        comp.finish(reason)
         if comp.seq_id is not None:
             self._by_seq.pop(comp.seq_id, None)
 
-    def _output(self, req: _Request) -> RequestOutput:
-        finished = all(c.out.finish_reason is not None for c in req.completions)
-        outs = []
-        for c in req.completions:
-            o = c.out
-            if c.detok is not None and not o.finished:
-                o.text = c.detok.text[: c.detok.emitted]
-            outs.append(
-                CompletionOutput(
-                    o.index, list(o.token_ids), o.text, o.finish_reason,
-                    list(o.logprobs) if o.logprobs is not None else None,
-                    o.new_token_ids, o.text_delta,
-                )
-            )  # fmt: skip
-            o.new_token_ids = []
-            o.text_delta = ""
-        if finished:
+    def _output(self, req: RequestState) -> RequestOutput:
+        out = req.output()
+        if out.finished:
             self._requests.pop(req.request_id, None)
-            self._stats.requests_finished += 1
-        return RequestOutput(
-            req.request_id,
-            req.prompt_token_ids,
-            outs,
-            req.num_cached_tokens,
-            finished,
-            prompt=req.prompt,
-        )
+            self._stats.stats.requests_finished += 1
+        return out
 
     # -------------------------------------------------------------------- stats
-    def _account(self, out: SchedulerOutput) -> None:
-        st = self._stats
-        st.steps += 1
-        sampled = sum(1 for s in out.scheduled if s.sample)
-        st.tokens_generated += sampled
-        st.prompt_tokens += out.num_batched_tokens - sampled
-        now = time.monotonic()
-        self._recent.append((now, sampled))
-        while self._recent and now - self._recent[0][0] > 10.0:
-            self._recent.pop(0)
-
     def stats(self) -> EngineStats:
-        st = self._stats
-        s = self.scheduler
-        st.running = s.num_running
-        st.waiting = s.num_waiting
-        st.preemptions = s.stats.num_preemptions
-        ps = s.prefix_cache_stats()
-        st.prefix_cache = {
-            "queried_tokens": ps.queried_tokens,
-            "hit_tokens": ps.hit_tokens,
-            "queried_blocks": ps.queried_blocks,
-            "hit_blocks": ps.hit_blocks,
-            "hit_rate": ps.hit_rate,
-        }
-        if len(self._recent) >= 2:
-            span = self._recent[-1][0] - self._recent[0][0]
-            st.tokens_per_second = sum(t for _, t in self._recent[1:]) / span if span > 0 else 0.0
-        return st
+        return self._stats.read(self.scheduler)
 
-    def heartbeat_stats(self) -> dict[str, Any]:
-        """Counters and the pool snapshot in the shape of pagedserve.telemetry.WorkerHeartbeat."""
-        st = self.stats()
-        occ = self.scheduler.occupancy()
-        return {
-            "running": st.running,
-            "waiting": st.waiting,
-            "steps": st.steps,
-            "tokens_generated": st.tokens_generated,
-            "prompt_tokens": st.prompt_tokens,
-            "preemptions": st.preemptions,
-            "throughput_tok_s": st.tokens_per_second,
-            "prefix_cache": dict(st.prefix_cache),
-            "pool": {
-                "num_blocks": occ.num_blocks,
-                "block_size": occ.block_size,
-                "free": occ.free,
-                "in_use": occ.in_use,
-                "cached": occ.cached_evictable,
-                "shared": occ.shared,
-                "tokens_stored": occ.tokens_stored,
-                "fragmentation_slots": occ.fragmentation_slots,
-                "usage": occ.usage,
-                "block_states": occ.block_states.translate(_WIRE_BLOCK_STATES).decode("ascii"),
-            },
-        }
+    def heartbeat_stats(self) -> EngineTelemetry:
+        """Counters and the pool snapshot, typed as the heartbeat publishes them."""
+        return self._stats.telemetry(self.scheduler)
 
     def occupancy(self) -> PoolOccupancy:
         """The pool snapshot with every running sequence's block table."""

@@ -92,7 +92,6 @@ class ModelRunner:
         self._tables = torch.zeros((rows, self.max_blocks_per_seq), dtype=torch.int32)
         self._free_rows = list(range(rows - 1, -1, -1))
         self._row_of: dict[int, int] = {}
-        self._len_of: dict[int, int] = {}
         log.info(
             "KV cache: %d bytes per token, %d blocks of %d tokens, capacity %d tokens (%.1f MiB)",
             self.layout.bytes_per_token,
@@ -169,7 +168,6 @@ class ModelRunner:
             row = self._row_of.pop(seq_id, None)
             if row is not None:
                 self._free_rows.append(row)
-                self._len_of.pop(seq_id, None)
 
     def _update_tables(self, out: SchedulerOutput) -> list[int]:
         rows: list[int] = []
@@ -182,7 +180,6 @@ class ModelRunner:
             if s.new_block_ids:
                 end = s.block_offset + len(s.new_block_ids)
                 tables[row, s.block_offset : end] = torch.tensor(s.new_block_ids, dtype=torch.int32)
-                self._len_of[s.seq_id] = end
             rows.append(row)
         return rows
 

@@ -32,23 +32,37 @@ class TokenLogprob:
 
 @dataclass(slots=True)
 class CompletionOutput:
+    """One completion as of a step: cumulative ``token_ids`` and ``text``; the step's increments
+    (what streaming clients receive) are their last ``num_new_tokens`` / ``num_new_chars``."""
+
     index: int
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     logprobs: list[TokenLogprob] | None = None
-    # This step's increments (what streaming clients receive).
-    new_token_ids: list[int] = field(default_factory=list)
-    text_delta: str = ""
+    num_new_tokens: int = 0
+    num_new_chars: int = 0
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def new_token_ids(self) -> list[int]:
+        """This step's new tokens."""
+        return self.token_ids[len(self.token_ids) - self.num_new_tokens :]
+
+    @property
+    def text_delta(self) -> str:
+        """This step's new text (emitted text only grows: a delta is never taken back)."""
+        return self.text[len(self.text) - self.num_new_chars :]
+
 
 @dataclass(slots=True)
 class RequestOutput:
-    """A request's state after a step (returned only for requests that changed in that step)."""
+    """A request's state after a step (returned only for requests that changed in that step): the
+    one source of a request's output for callers (the service loop derives its progress deltas
+    and its final or partial result from it)."""
 
     request_id: str
     prompt_token_ids: list[int]

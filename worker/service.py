@@ -17,176 +17,60 @@ reason, a lease that cannot be read dead-letters its entry, and the loop goes on
 
 SIGTERM / SIGINT drain: no more claims, running jobs get ``--grace-s`` seconds, the rest go back to
 the queue (``store.release``), exit status 0.
+
+A job's tokens and text are the engine's: each step's ``RequestOutput`` is cumulative, and the
+loop's per-job state (``worker.job_state``) is the lease, a flush timer and a cursor of what was
+published. Around this module: ``worker.service_config`` (options and argparse),
+``worker.redis_guard`` (backoff, Redis clock), ``worker.service_telemetry`` (the heartbeat).
 """
 
 from __future__ import annotations
 
-import argparse
-import collections
 import contextlib
 import logging
-import os
 import signal
-import socket
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
-import redis
-from pydantic import ValidationError
-
-from pagedserve.redis_util import default_url
-from pagedserve.schemas import Completion, JobResult
-from pagedserve.schemas import TokenLogprob as WireLogprob
 from pagedserve.store import Finish, JobStore, Lease, Progress, WriteError
-from pagedserve.telemetry import (
-    Histogram,
-    PoolSnapshot,
-    PrefixCacheSnapshot,
-    RunningJob,
-    WorkerHeartbeat,
-)
-from worker.outputs import CompletionOutput, EngineConfig, RequestOutput, RequestRejected
+from pagedserve.telemetry import WorkerHeartbeat
+from worker.job_state import JobState, partial_result, result_of
+from worker.outputs import RequestOutput, RequestRejected
 from worker.pretokenize import Pretokenizer
+from worker.redis_guard import REDIS_DOWN, RedisDown, RedisGuard
+from worker.service_config import (
+    PREFIX_ENV,
+    ServiceConfig,
+    engine_config,
+    parse_args,
+    service_config,
+)
+from worker.service_telemetry import ServiceTelemetry
 
 if TYPE_CHECKING:
     from worker.engine import Engine
 
+__all__ = [
+    "PREFIX_ENV",
+    "REDIS_DOWN",
+    "JobState",
+    "ServiceConfig",
+    "Worker",
+    "engine_config",
+    "main",
+    "parse_args",
+    "result_of",
+]
+
 log = logging.getLogger("pagedserve.worker")
 
-PREFIX_ENV = "PAGEDSERVE_PREFIX"
-#: Errors that mean "Redis is unreachable right now": retried with backoff, never fatal.
-REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
 #: How the failure reason of a job whose state Redis refused to write begins.
 WRITE_FAILED = "could not write the job's state: "
 #: Most jobs leased by one claim call.
 MAX_CLAIM = 64
-
-
-@dataclass(slots=True)
-class ServiceConfig:
-    """Service-loop options (the engine's are in :class:`EngineConfig`)."""
-
-    worker_id: str
-    redis_url: str
-    prefix: str = "ps"
-    lease_ms: int = 15_000
-    reclaim_ms: int = 15_000  # an entry idle this long belongs to a dead worker
-    max_deliveries: int = 3
-    grace_s: float = 30.0
-    progress_interval_s: float = 0.05  # at most one progress write per job per interval
-    heartbeat_s: float = 1.0
-    idle_block_ms: int = 100  # blocking claim when the engine is idle
-    # Least time between non-blocking claims while busy after one found nothing (a claim that
-    # found jobs is repeated at once); new work waits at most this long for a busy worker.
-    claim_interval_s: float = 0.05
-    throughput_window_s: float = 10.0
-
-    @property
-    def renew_interval_s(self) -> float:
-        return min(self.lease_ms, self.reclaim_ms) / 3 / 1e3
-
-    @property
-    def reclaim_interval_s(self) -> float:
-        return max(0.2, self.reclaim_ms / 3 / 1e3)
-
-
-@dataclass
-class JobState:
-    """What the loop keeps for one running job."""
-
-    lease: Lease
-    created_at: float  # Redis clock (seconds)
-    max_tokens: int | None
-    texts: dict[int, list[str]] = field(default_factory=dict)
-    token_ids: dict[int, list[int]] = field(default_factory=dict)
-    # Not yet published increments per completion index.
-    pending_text: dict[int, str] = field(default_factory=dict)
-    pending_ids: dict[int, list[int]] = field(default_factory=dict)
-    last_flush: float = 0.0
-    flushed_once: bool = False
-    first_token_seen: bool = False
-
-    @property
-    def tokens(self) -> int:
-        return sum(len(v) for v in self.token_ids.values())
-
-    def absorb(self, comp: CompletionOutput) -> None:
-        i = comp.index
-        if comp.new_token_ids:
-            self.token_ids.setdefault(i, []).extend(comp.new_token_ids)
-            self.pending_ids.setdefault(i, []).extend(comp.new_token_ids)
-        if comp.text_delta:
-            self.texts.setdefault(i, []).append(comp.text_delta)
-            self.pending_text[i] = self.pending_text.get(i, "") + comp.text_delta
-
-    def replay(self) -> None:
-        """Make everything generated so far pending again (after a ``restart`` event told
-        followers to discard what they had, while this run goes on)."""
-        self.pending_text = {i: "".join(t) for i, t in self.texts.items()}
-        self.pending_ids = {i: list(ids) for i, ids in self.token_ids.items()}
-        self.flushed_once = False
-
-    def take_progress(self) -> list[Progress]:
-        idx = sorted(set(self.pending_text) | set(self.pending_ids))
-        total = self.tokens
-        out = [
-            Progress(
-                self.lease,
-                tokens_generated=total,
-                delta_text=self.pending_text.get(i, ""),
-                delta_token_ids=tuple(self.pending_ids.get(i, ())),
-                index=i,
-            )
-            for i in idx
-        ]
-        self.pending_text.clear()
-        self.pending_ids.clear()
-        return out
-
-    def partial_result(self, prompt_tokens: int = 0) -> JobResult:
-        comps = [
-            Completion(
-                index=i,
-                text="".join(self.texts.get(i, [])),
-                token_ids=list(ids),
-                finish_reason="abort",
-            )
-            for i, ids in sorted(self.token_ids.items())
-        ]
-        return JobResult(
-            completions=comps, prompt_tokens=prompt_tokens, completion_tokens=self.tokens
-        )
-
-
-def result_of(out: RequestOutput) -> JobResult:
-    """The wire result of a finished engine request."""
-    comps = []
-    for c in out.outputs:
-        logprobs = None
-        if c.logprobs is not None:
-            logprobs = [
-                WireLogprob(token_id=lp.token_id, logprob=lp.logprob, top_logprobs=dict(lp.top))
-                for lp in c.logprobs
-            ]
-        reason = c.finish_reason if c.finish_reason in ("stop", "length", "abort") else "stop"
-        comps.append(
-            Completion(
-                index=c.index,
-                text=c.text,
-                token_ids=list(c.token_ids),
-                finish_reason=reason,  # type: ignore[arg-type]
-                logprobs=logprobs,
-            )
-        )
-    return JobResult(
-        completions=comps,
-        prompt_tokens=len(out.prompt_token_ids),
-        cached_prompt_tokens=out.num_cached_tokens,
-        completion_tokens=sum(len(c.token_ids) for c in out.outputs),
-    )
 
 
 # ------------------------------------------------------------------------------- the loop
@@ -202,16 +86,10 @@ class Worker:
         self.unsent_progress: list[Progress] = []
         self.draining = False
         self.drain_deadline = float("inf")
-        self.redis_ok = True
-        self.retry_at = 0.0
-        self.backoff = 0.05
-        self.clock_offset = 0.0  # Redis clock - local clock
+        self.guard = RedisGuard(store)
+        self._redis = self.guard.call
         self.last_claim = self.last_reclaim = self.last_renew = self.last_hb = 0.0
-        self.started_at = time.time()
-        self.finished_counts: collections.Counter[str] = collections.Counter()
-        self.ttft = Histogram()
-        self.e2e = Histogram()
-        self.tokens_window: collections.deque[tuple[float, int]] = collections.deque()
+        self.telemetry = ServiceTelemetry(cfg.throughput_window_s)
         self.pretok = Pretokenizer.for_engine(engine)  # text and chat prompts: off the loop
 
     # ----------------------------------------------------------------- signals
@@ -220,51 +98,6 @@ class Worker:
             log.info("draining: %d running jobs, grace %.1f s", len(self.jobs), self.cfg.grace_s)
             self.draining = True
             self.drain_deadline = time.monotonic() + self.cfg.grace_s
-
-    # ----------------------------------------------------------------- redis guard
-    def _redis(self, fn: Any, *args: Any, **kw: Any) -> Any:
-        """Run one Redis operation; on a connection error mark Redis down (retry later)."""
-        if not self.redis_ok and time.monotonic() < self.retry_at:
-            raise _RedisDown
-        try:
-            out = fn(*args, **kw)
-        except redis.ResponseError as e:
-            if "NOGROUP" in str(e):
-                # The streams or the group vanished (FLUSHALL, a restart without AOF): recreate.
-                log.warning("consumer group missing; recreating it")
-                self.store._groups_ready = False
-            else:
-                # Not one job's (those come back in StepResult.errors): retried with backoff,
-                # never fatal.
-                log.warning("redis error (%s); retrying with backoff", e)
-                self.retry_at = time.monotonic() + self.backoff
-                self.backoff = min(2.0, self.backoff * 2)
-                self.redis_ok = False
-            raise _RedisDown from e
-        except REDIS_DOWN as e:
-            if self.redis_ok:
-                log.warning("redis unreachable (%s); retrying with backoff", e)
-            self.redis_ok = False
-            self.retry_at = time.monotonic() + self.backoff
-            self.backoff = min(2.0, self.backoff * 2)
-            raise _RedisDown from e
-        if not self.redis_ok:
-            log.info("redis reachable again")
-            self.store._groups_ready = False
-            self._sync_clock()
-        self.redis_ok = True
-        self.backoff = 0.05
-        return out
-
-    def _sync_clock(self) -> None:
-        try:
-            sec, usec = self.store.r.time()
-            self.clock_offset = sec + usec / 1e6 - time.time()
-        except REDIS_DOWN:
-            pass
-
-    def _now_redis(self) -> float:
-        return time.time() + self.clock_offset
 
     # ----------------------------------------------------------------- admission
     def _capacity(self) -> int:
@@ -286,9 +119,9 @@ class Worker:
         try:
             values = self._redis(pipe.execute, raise_on_error=False)
             values = [None if isinstance(v, Exception) else v for v in values]
-        except _RedisDown:
+        except RedisDown:
             values = [None] * len(job_ids)
-        now = self._now_redis()
+        now = self.guard.now()
         return [float(v) if v else now for v in values]
 
     def _admit_one(self, lease: Lease, created_at: float) -> None:
@@ -352,7 +185,7 @@ class Worker:
 
     def _final(self, fin: Finish) -> None:
         self.unsent.append(fin)
-        self.finished_counts[fin.status] += 1
+        self.telemetry.finished_counts[fin.status] += 1
 
     # ----------------------------------------------------------------- housekeeping
     def housekeeping(self) -> None:
@@ -375,7 +208,7 @@ class Worker:
             if now - self.last_hb >= self.cfg.heartbeat_s:
                 self.last_hb = now
                 self._heartbeat()
-        except _RedisDown:
+        except RedisDown:
             pass
 
     def _claim(self) -> None:
@@ -406,16 +239,15 @@ class Worker:
             st = self.jobs.get(out.request_id)
             if st is None:
                 continue
-            for comp in out.outputs:
-                st.absorb(comp)
+            st.observe(out)
             if not st.first_token_seen and st.tokens > 0:
                 st.first_token_seen = True
-                self.ttft.observe(max(0.0, self._now_redis() - st.created_at))
+                self.telemetry.ttft.observe(max(0.0, self.guard.now() - st.created_at))
             if out.finished:
                 self._finish(st, out)
         for st in self.jobs.values():
             due = now - st.last_flush >= self.cfg.progress_interval_s
-            if (st.pending_ids or st.pending_text) and (due or not st.flushed_once):
+            if (due or not st.flushed_once) and st.has_pending():
                 self.unsent_progress += st.take_progress()
                 st.last_flush = now
                 st.flushed_once = True
@@ -423,7 +255,7 @@ class Worker:
     def _finish(self, st: JobState, out: RequestOutput) -> None:
         self.jobs.pop(st.lease.job_id, None)
         self.unsent_progress += st.take_progress()
-        self.e2e.observe(max(0.0, self._now_redis() - st.created_at))
+        self.telemetry.e2e.observe(max(0.0, self.guard.now() - st.created_at))
         lease = st.lease
         if out.error:
             self._fail(lease, out.error)
@@ -439,7 +271,7 @@ class Worker:
             res = self._redis(
                 self.store.commit_step, self.cfg.worker_id, progress=progress, finished=finals
             )
-        except _RedisDown:
+        except RedisDown:
             return  # kept: sent when Redis is back
         self.unsent_progress, self.unsent = [], []
         self._drop_lost(res.lost)
@@ -449,8 +281,8 @@ class Worker:
             st = self.jobs.pop(jid, None)
             if st is None:
                 continue
-            self.engine.abort(jid)
-            self._final(Finish(st.lease, "cancelled", result=st.partial_result()))
+            partial = self.engine.abort(jid) or st.latest
+            self._final(Finish(st.lease, "cancelled", result=partial_result(partial)))
         if res.cancels & {f.lease.job_id for f in self.unsent}:
             self.commit()  # write the cancellations at once
 
@@ -483,54 +315,29 @@ class Worker:
             self.jobs.pop(jid)
             try:
                 self._redis(self.store.release, st.lease)
-            except _RedisDown:
+            except RedisDown:
                 log.warning("job %s not released (redis down); it will be reclaimed", jid)
 
     # ----------------------------------------------------------------- heartbeat
     def heartbeat_model(self) -> WorkerHeartbeat:
-        stats = self.engine.heartbeat_stats()
-        now = time.monotonic()
-        tokens = int(stats.get("tokens_generated", 0))
-        self.tokens_window.append((now, tokens))
-        while now - self.tokens_window[0][0] > self.cfg.throughput_window_s:
-            self.tokens_window.popleft()
-        t0, k0 = self.tokens_window[0]
-        rate = (tokens - k0) / (now - t0) if now > t0 else 0.0
         state = "draining" if self.draining else "serving"
-        return WorkerHeartbeat(
+        return self.telemetry.heartbeat(
             worker_id=self.cfg.worker_id,
             model=getattr(self.engine, "model_name", ""),
-            host=socket.gethostname(),
-            pid=os.getpid(),
-            started_at=self.started_at,
-            state="reconnecting" if not self.redis_ok else state,
-            steps=int(stats.get("steps", 0)),
-            running=int(stats.get("running", 0)),
-            waiting=int(stats.get("waiting", 0)),
-            tokens_generated=tokens,
-            prompt_tokens=int(stats.get("prompt_tokens", 0)),
-            throughput_tok_s=round(rate, 2),
-            preemptions=int(stats.get("preemptions", 0)),
-            jobs_finished=dict(self.finished_counts),
-            prefix_cache=_model_or(PrefixCacheSnapshot, stats.get("prefix_cache")),
-            pool=_model_or(PoolSnapshot, stats.get("pool"), None),
-            jobs=[
-                RunningJob(id=jid, tokens=st.tokens, max_tokens=st.max_tokens)
-                for jid, st in self.jobs.items()
-            ],
-            time_to_first_token_seconds=self.ttft,
-            e2e_request_latency_seconds=self.e2e,
+            state="reconnecting" if not self.guard.ok else state,
+            engine=self.engine.heartbeat_stats(),
+            jobs=self.jobs,
+            context=self.pretok.context,
         )
 
     def _heartbeat(self) -> None:
         hb = self.heartbeat_model()
         ttl = max(5, int(self.cfg.heartbeat_s * 10))
-        info = {**hb.model_dump(mode="json"), **self.pretok.context}  # + max_model_len (API)
-        self._redis(self.store.heartbeat, self.cfg.worker_id, info, ttl)
+        self._redis(self.store.heartbeat, self.cfg.worker_id, hb.model_dump(mode="json"), ttl)
 
     # ----------------------------------------------------------------- main loop
     def run(self) -> int:
-        self._sync_clock()
+        self.guard.sync_clock()
         log.info("worker %s serving %s", self.cfg.worker_id, self.engine.model_name)
         while True:
             if self.draining:
@@ -539,101 +346,29 @@ class Worker:
                 if time.monotonic() >= self.drain_deadline:
                     self.drain_expired()
                     self.commit()
-                    if self.unsent and not self.redis_ok:
+                    if self.unsent and not self.guard.ok:
                         log.warning("exiting with %d unsent results", len(self.unsent))
                     break
             self.housekeeping()
             self.step()
             self.commit()
-            if not self.redis_ok and not self.engine.has_unfinished():
-                time.sleep(min(self.backoff, max(0.0, self.retry_at - time.monotonic())))
+            if not self.guard.ok and not self.engine.has_unfinished():
+                time.sleep(self.guard.wait_s())
         with contextlib.suppress(*REDIS_DOWN):
             self.store.r.delete(self.store.keys.worker(self.cfg.worker_id))
         log.info("worker %s stopped", self.cfg.worker_id)
         return 0
 
 
-class _RedisDown(Exception):
-    """Internal: the Redis operation was skipped or failed; retry later."""
-
-
-def _model_or(cls: Any, value: Any, default: Any = ...) -> Any:
-    if isinstance(value, dict):
-        try:
-            return cls.model_validate({k: v for k, v in value.items() if k in cls.model_fields})
-        except ValidationError:
-            pass
-    return cls() if default is ... else default
-
-
 # ------------------------------------------------------------------------------- CLI
-def _size(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    t = text.strip().lower().removesuffix("b").removesuffix("i")
-    if t and t[-1] in units:
-        return int(float(t[:-1]) * units[t[-1]])
-    return int(t)
-
-
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="pagedserve worker", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", required=True, help="checkpoint directory or .gguf file")
-    ap.add_argument("--worker-id", default=None, help="consumer name (default: host-pid)")
-    ap.add_argument("--redis", default=None, help="Redis URL (default: $PAGEDSERVE_REDIS_URL)")
-    ap.add_argument("--prefix", default=None, help="key prefix (default: $PAGEDSERVE_PREFIX/ps)")
-    e = ap.add_argument_group("engine")
-    e.add_argument("--block-size", type=int, default=16)
-    e.add_argument("--num-kv-blocks", type=int, default=None)
-    e.add_argument("--kv-cache-memory", type=_size, default=None, help="bytes, e.g. 512MB")
-    e.add_argument("--max-num-seqs", type=int, default=256)
-    e.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    e.add_argument("--max-model-len", type=int, default=None)
-    e.add_argument("--dtype", default="float32")
-    e.add_argument("--device", default="cpu")
-    e.add_argument("--num-threads", type=int, default=None)
-    e.add_argument("--no-prefix-caching", action="store_true")
-    s = ap.add_argument_group("service")
-    s.add_argument("--lease-ms", type=int, default=15_000)
-    s.add_argument("--reclaim-ms", type=int, default=15_000)
-    s.add_argument("--max-deliveries", type=int, default=3)
-    s.add_argument("--grace-s", type=float, default=30.0)
-    s.add_argument("--progress-interval-ms", type=float, default=50.0)
-    s.add_argument("--log-level", default="INFO")
-    return ap.parse_args(argv)
-
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory=args.kv_cache_memory,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        dtype=args.dtype,
-        device=args.device,
-        enable_prefix_caching=not args.no_prefix_caching,
-        num_threads=args.num_threads,
-    )
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = parse_args(argv, description=(__doc__ or "").split("\n")[0])
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s worker: %(message)s",
         stream=sys.stderr,
     )
-    cfg = ServiceConfig(
-        worker_id=args.worker_id or f"{socket.gethostname()}-{os.getpid()}",
-        redis_url=args.redis or default_url(),
-        prefix=args.prefix or os.environ.get(PREFIX_ENV, "ps"),
-        lease_ms=args.lease_ms,
-        reclaim_ms=args.reclaim_ms,
-        max_deliveries=args.max_deliveries,
-        grace_s=args.grace_s,
-        progress_interval_s=args.progress_interval_ms / 1e3,
-    )
+    cfg = service_config(args)
     store = JobStore(
         cfg.redis_url,
         prefix=cfg.prefix,

@@ -81,7 +81,7 @@ def build_llm(job: Job) -> Any:
 
 
 def prefix_counters(llm: Any) -> tuple[int, int]:
-    ps = llm.engine.scheduler.pool.stats
+    ps = llm.engine.scheduler.prefix_cache_stats()
     return ps.queried_tokens, ps.hit_tokens
 
 

@@ -1,0 +1,71 @@
+"""The service loop's own counters (finished jobs, latency histograms, throughput window) and the
+typed heartbeat it publishes (:class:`pagedserve.telemetry.WorkerHeartbeat`)."""
+
+from __future__ import annotations
+
+import collections
+import os
+import socket
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from pagedserve.telemetry import EngineTelemetry, Histogram, RunningJob, WorkerHeartbeat
+from worker.job_state import JobState
+
+
+@dataclass
+class ServiceTelemetry:
+    throughput_window_s: float = 10.0
+    started_at: float = field(default_factory=time.time)
+    finished_counts: collections.Counter[str] = field(default_factory=collections.Counter)
+    ttft: Histogram = field(default_factory=Histogram)
+    e2e: Histogram = field(default_factory=Histogram)
+    tokens_window: collections.deque[tuple[float, int]] = field(default_factory=collections.deque)
+
+    def rate(self, tokens: int) -> float:
+        """Output tokens per second over the last ``throughput_window_s``."""
+        now = time.monotonic()
+        self.tokens_window.append((now, tokens))
+        while now - self.tokens_window[0][0] > self.throughput_window_s:
+            self.tokens_window.popleft()
+        t0, k0 = self.tokens_window[0]
+        return (tokens - k0) / (now - t0) if now > t0 else 0.0
+
+    def heartbeat(
+        self,
+        *,
+        worker_id: str,
+        model: str,
+        state: str,
+        engine: EngineTelemetry,
+        jobs: Mapping[str, JobState],
+        context: Mapping[str, int],
+    ) -> WorkerHeartbeat:
+        """The heartbeat: the engine's telemetry, this loop's counters and the model's context
+        (``max_model_len`` / ``max_token_bytes``, :func:`worker.pretokenize.context_info`)."""
+        return WorkerHeartbeat(
+            worker_id=worker_id,
+            model=model,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            started_at=self.started_at,
+            state=state,
+            steps=engine.steps,
+            running=engine.running,
+            waiting=engine.waiting,
+            tokens_generated=engine.tokens_generated,
+            prompt_tokens=engine.prompt_tokens,
+            throughput_tok_s=round(self.rate(engine.tokens_generated), 2),
+            preemptions=engine.preemptions,
+            jobs_finished=dict(self.finished_counts),
+            prefix_cache=engine.prefix_cache,
+            pool=engine.pool,
+            jobs=[
+                RunningJob(id=jid, tokens=st.tokens, max_tokens=st.max_tokens)
+                for jid, st in jobs.items()
+            ],
+            time_to_first_token_seconds=self.ttft,
+            e2e_request_latency_seconds=self.e2e,
+            **context,
+        )
