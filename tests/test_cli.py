@@ -98,3 +98,17 @@ def test_delegated_subcommands_split_their_arguments() -> None:
     )
     assert _split_delegated(["submit", "worker"]) is None
     assert _split_delegated(["--redis", "u", "status", "x"]) is None
+
+
+def test_python_m_pagedserve_points_to_the_cli() -> None:
+    """The contract package does not import the application layer, so its ``__main__`` cannot be
+    the CLI: it exits 2 and names the CLI's two spellings, having imported nothing of ``stack``."""
+    code = (
+        "import runpy, sys\n"
+        "try:\n    runpy.run_module('pagedserve', run_name='__main__')\n"
+        "except SystemExit as e:\n"
+        "    print(e.code, sorted(m for m in sys.modules if m.split('.')[0] == 'stack'))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == "2 []"
+    assert "python -m stack" in proc.stderr and "`pagedserve`" in proc.stderr
