@@ -12,6 +12,7 @@ COPY scheduler ./scheduler
 COPY kernels ./kernels
 COPY worker ./worker
 COPY api ./api
+COPY stack ./stack
 COPY bench ./bench
 
 FROM base AS service

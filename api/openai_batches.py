@@ -73,9 +73,9 @@ def send_fan_out(state: AppState, batch_id: str) -> None:
     with _celery_lock:
         app = state.extras.get("celery")
         if app is None:
-            from pagedserve.celery_app import make_app
+            from pagedserve.celery_client import make_sender
 
-            app = make_app(state.config.redis_url)
+            app = make_sender(state.config.redis_url)
             state.extras["celery"] = app
     app.send_task("batches.fan_out", args=[batch_id])
 

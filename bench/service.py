@@ -35,7 +35,7 @@ MAX_MODEL_LEN = 1024
 
 def build_model(preset: str, workdir: Path) -> Path:
     out = workdir / f"llama-{preset}"
-    cmd = [sys.executable, "-m", "pagedserve", "make-model", "--family", "llama"]
+    cmd = [sys.executable, "-m", "stack", "make-model", "--family", "llama"]
     subprocess.run([*cmd, "--preset", preset, "--out", str(out)], check=True,
                    stdout=subprocess.DEVNULL)  # fmt: skip
     return out
@@ -97,7 +97,7 @@ def run_offline(model: Path, wl: Workload, args: argparse.Namespace) -> float:
 def start_worker(url: str, model: Path, args: argparse.Namespace, log: Path) -> subprocess.Popen:
     env = dict(os.environ, **{URL_ENV: url, "PAGEDSERVE_PREFIX": "ps"})
     env.setdefault("OMP_NUM_THREADS", str(args.threads))
-    cmd = [sys.executable, "-m", "pagedserve", "worker", "--model", str(model),
+    cmd = [sys.executable, "-m", "stack", "worker", "--model", str(model),
            "--worker-id", "bench", "--log-level", "WARNING", *engine_options(args)]  # fmt: skip
     with log.open("wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)

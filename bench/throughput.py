@@ -183,7 +183,7 @@ def ensure_model(model: str | None, workdir: Path) -> Path:
 
         return resolve_model(model)
     out = workdir / "bench-model"
-    cmd = [sys.executable, "-m", "pagedserve", "make-model", "--family", "llama"]
+    cmd = [sys.executable, "-m", "stack", "make-model", "--family", "llama"]
     subprocess.run([*cmd, "--preset", "bench", "--out", str(out)], check=True, cwd=REPO,
                    stdout=subprocess.DEVNULL)  # fmt: skip
     return out

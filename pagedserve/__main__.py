@@ -1,5 +1,7 @@
-"""``python -m pagedserve`` runs the CLI."""
+"""``python -m pagedserve`` is not the CLI's module form any more: the CLI lives in the
+application layer (:mod:`stack`), which the contract package must not import. Say where it is."""
 
-from pagedserve.cli import main
+import sys
 
-raise SystemExit(main())
+sys.stderr.write("the CLI is the `pagedserve` command, or `python -m stack`\n")
+raise SystemExit(2)

@@ -83,14 +83,14 @@ def launch_api(
     timeout: float = 30.0,
     env_extra: dict[str, str] | None = None,
 ) -> ApiServer:
-    """Start ``python -m pagedserve api`` and wait for ``/healthz`` (retries a lost port race)."""
+    """Start ``python -m stack api`` and wait for ``/healthz`` (retries a lost port race)."""
     env = dict(os.environ, **{URL_ENV: redis_url})
     env.pop("PAGEDSERVE_API_KEYS", None)
     env.update(env_extra or {})
     last = ""
     for _attempt in range(3):
         port = free_port()
-        cmd = [sys.executable, "-m", "pagedserve", "--redis", redis_url, "api"]
+        cmd = [sys.executable, "-m", "stack", "--redis", redis_url, "api"]
         cmd += ["--host", HOST, "--port", str(port)]
         cmd += ["--workers", str(workers), "--threads", str(threads)]
         if api_keys is not None:

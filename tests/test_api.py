@@ -408,7 +408,7 @@ def test_pagedserve_api_runs_gunicorn(redis_url: str) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "pagedserve", "--redis", redis_url, "api", "--port", str(port),
+    cmd = [sys.executable, "-m", "stack", "--redis", redis_url, "api", "--port", str(port),
            "--workers", "1", "--threads", "2"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:

@@ -16,11 +16,11 @@ import pytest
 from celery import Celery, chain, group
 
 from pagedserve.batches import BatchStore
-from pagedserve.celery_app import make_app
 from pagedserve.openai_format import COMPLETIONS_URL
 from pagedserve.redis_util import LocalRedisServer
 from pagedserve.schemas import Completion, JobResult
 from pagedserve.store import Finish, JobStore
+from stack.celery_app import make_app
 
 from .fixtures.redis_server import REDIS_BINARY
 
@@ -41,7 +41,7 @@ def app(server: LocalRedisServer, tmp_path_factory: pytest.TempPathFactory) -> I
     env = dict(os.environ, PAGEDSERVE_REDIS_URL=server.url, PAGEDSERVE_FINALIZE_EVERY_S="0.5")
     log = tmp_path_factory.mktemp("celery") / "worker.log"
     celery_bin = str(Path(sys.executable).with_name("celery"))
-    cmd = [celery_bin, "-A", "pagedserve.celery_app", "worker", "-B", "--pool=solo",
+    cmd = [celery_bin, "-A", "stack.celery_app", "worker", "-B", "--pool=solo",
            "--concurrency=1", "--loglevel=INFO", "--without-gossip", "--without-mingle",
            "-s", str(log.with_name("beat-schedule"))]  # fmt: skip
     with open(log, "wb") as out:

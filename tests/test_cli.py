@@ -1,4 +1,4 @@
-"""The pagedserve CLI as users run it: ``python -m pagedserve`` subprocesses against the fixture
+"""The pagedserve CLI as users run it: ``python -m stack`` subprocesses against the fixture
 server."""
 
 from __future__ import annotations
@@ -9,15 +9,15 @@ import subprocess
 import sys
 from typing import Any
 
-from pagedserve.cli import _split_delegated
 from pagedserve.schemas import JobStatus
 from pagedserve.store import JobStore
+from stack.cli import _split_delegated
 
 
 def cli(redis_url: str, *args: str) -> tuple[int, Any]:
     env = {k: v for k, v in os.environ.items() if k != "PAGEDSERVE_REDIS_URL"}
     proc = subprocess.run(
-        [sys.executable, "-m", "pagedserve", "--redis", redis_url, *args],
+        [sys.executable, "-m", "stack", "--redis", redis_url, *args],
         capture_output=True,
         text=True,
         timeout=60,
@@ -79,7 +79,7 @@ def test_invalid_request_is_reported(redis_url: str) -> None:
 
 def test_light_subcommands_do_not_import_torch(redis_url: str) -> None:
     code = (
-        "import sys; from pagedserve.cli import main; "
+        "import sys; from stack.cli import main; "
         f"main(['--redis', {redis_url!r}, 'status', 'x']); "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'flask', 'worker')))"
     )
@@ -98,3 +98,17 @@ def test_delegated_subcommands_split_their_arguments() -> None:
     )
     assert _split_delegated(["submit", "worker"]) is None
     assert _split_delegated(["--redis", "u", "status", "x"]) is None
+
+
+def test_python_m_pagedserve_points_to_the_cli() -> None:
+    """The contract package does not import the application layer, so its ``__main__`` cannot be
+    the CLI: it exits 2 and names the CLI's two spellings, having imported nothing of ``stack``."""
+    code = (
+        "import runpy, sys\n"
+        "try:\n    runpy.run_module('pagedserve', run_name='__main__')\n"
+        "except SystemExit as e:\n"
+        "    print(e.code, sorted(m for m in sys.modules if m.split('.')[0] == 'stack'))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == "2 []"
+    assert "python -m stack" in proc.stderr and "`pagedserve`" in proc.stderr

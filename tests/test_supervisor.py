@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 
 from pagedserve.client import Client
-from pagedserve.demo import BATCH_QUESTIONS, DEMO_QUESTIONS
-from pagedserve.supervisor import RestartPolicy
+from stack.demo import BATCH_QUESTIONS, DEMO_QUESTIONS
+from stack.supervisor import RestartPolicy
 from worker.model_source import DEFAULT_MODEL_NAME, default_model_path
 
 #: Test-sized worker options (passed through the supervisor's --worker-arg).
@@ -118,7 +118,7 @@ def test_demo_runs_and_leaves_nothing(tmp_path: Path) -> None:
     batch lines, are right, and the batch's output file holds them."""
     real = default_model_path() is not None
     home = tmp_path / "home"
-    cmd = [sys.executable, "-m", "pagedserve", "demo", "--home", str(home)]
+    cmd = [sys.executable, "-m", "stack", "demo", "--home", str(home)]
     cmd += ["--port", str(free_port()), "--jobs", "4", "--batch-lines", "16", "--grace-s", "10"]
     proc = subprocess.Popen(
         [*cmd, *WORKER_ARGS], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env_for(tmp_path)
@@ -199,7 +199,7 @@ def http_status(url: str) -> int:
 def up_proc(tmp_path: Path, tiny_model_dir: Path) -> Iterator[tuple]:
     home = tmp_path / "home"
     port = free_port()
-    cmd = [sys.executable, "-m", "pagedserve", "up", "--home", str(home), "--port", str(port)]
+    cmd = [sys.executable, "-m", "stack", "up", "--home", str(home), "--port", str(port)]
     cmd += ["--model", str(tiny_model_dir), "--grace-s", "10", *WORKER_ARGS]
     with (tmp_path / "up.stderr").open("wb") as errf:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errf, env=env_for(tmp_path))
@@ -300,7 +300,7 @@ def test_up_restarts_a_killed_worker_and_counts_it(up_proc: tuple) -> None:
 def test_up_stops_everything_when_a_child_crash_loops(tmp_path: Path, tiny_model_dir: Path) -> None:
     """A worker that can never start (an unknown option) is restarted twice, then `up` gives up."""
     home = tmp_path / "home"
-    cmd = [sys.executable, "-m", "pagedserve", "up", "--home", str(home), "--no-api"]
+    cmd = [sys.executable, "-m", "stack", "up", "--home", str(home), "--no-api"]
     cmd += ["--no-control-plane", "--model", str(tiny_model_dir), "--max-restarts", "2"]
     cmd += ["--restart-backoff-s", "0.1", "--worker-arg=--no-such-option"]
     proc = subprocess.Popen(

@@ -1,18 +1,19 @@
-"""The ``pagedserve`` command line (also ``python -m pagedserve``); prints JSON.
+"""The ``pagedserve`` command line (also ``python -m stack``); prints JSON.
 
-``submit``, ``status``, ``cancel`` talk to Redis only. ``make-model`` and ``worker`` hand their
-remaining arguments to ``worker.make_model.main`` / ``worker.service.main``, imported only when
-used, so that the light subcommands never load torch.
+``submit``, ``status``, ``cancel`` and ``batch`` talk to Redis only. ``make-model``, ``worker``,
+``api``, ``up``, ``demo``, ``import-gguf`` and ``models`` hand their remaining arguments to
+another module's ``main(argv)``, imported inside a loader function only when used, so that the
+light subcommands never load torch or flask.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
@@ -22,16 +23,72 @@ from pagedserve.redis_util import DEFAULT_URL, URL_ENV, default_url
 #: Environment variable through which ``--prefix`` reaches delegated subcommands.
 PREFIX_ENV = "PAGEDSERVE_PREFIX"
 
+#: A delegated subcommand's entry point: ``main(argv)``, returning an exit status (None: 0).
+Entry = Callable[[list[str]], int | None]
+
+
+def _make_model() -> Entry:
+    from worker import make_model
+
+    return make_model.main
+
+
+def _worker() -> Entry:
+    from worker import service
+
+    return service.main
+
+
+def _api() -> Entry:
+    from api import server
+
+    return server.main
+
+
+def _up() -> Entry:
+    from stack import supervisor
+
+    return supervisor.main
+
+
+def _demo() -> Entry:
+    from stack import demo
+
+    return demo.main
+
+
+def _import_gguf() -> Entry:
+    from worker import gguf
+
+    return gguf.main
+
+
+def _models() -> Entry:
+    from worker import model_source
+
+    return model_source.main
+
+
+@dataclass(frozen=True)
+class Delegate:
+    """A subcommand that forwards everything after it to ``module``'s ``main``."""
+
+    #: The module whose ``main`` runs (for help and errors; ``load`` imports it).
+    module: str
+    load: Callable[[], Entry]
+
+
 #: Subcommands that forward everything after them to another module's ``main(argv)``.
 DELEGATED = {
-    "make-model": "worker.make_model",
-    "worker": "worker.service",
-    "api": "api.server",
-    "up": "pagedserve.supervisor",
-    "demo": "pagedserve.demo",
-    "import-gguf": "worker.gguf",
-    "models": "worker.model_source",
+    "make-model": Delegate("worker.make_model", _make_model),
+    "worker": Delegate("worker.service", _worker),
+    "api": Delegate("api.server", _api),
+    "up": Delegate("stack.supervisor", _up),
+    "demo": Delegate("stack.demo", _demo),
+    "import-gguf": Delegate("worker.gguf", _import_gguf),
+    "models": Delegate("worker.model_source", _models),
 }
+_BY_MODULE = {d.module: d for d in DELEGATED.values()}
 
 
 def _print(obj: Any) -> None:
@@ -85,8 +142,9 @@ def _parser() -> argparse.ArgumentParser:
     cp.add_argument("--pool", choices=["solo", "threads"], default="solo")
     cp.add_argument("--loglevel", default="INFO")
 
-    for name, module in DELEGATED.items():
-        sub.add_parser(name, help=f"run {module}.main with the remaining arguments", add_help=False)
+    for name, delegate in DELEGATED.items():
+        help_text = f"run {delegate.module}.main with the remaining arguments"
+        sub.add_parser(name, help=help_text, add_help=False)
     return ap
 
 
@@ -177,9 +235,9 @@ def _batch_store(args: argparse.Namespace) -> Any:
 
 
 def _celery(args: argparse.Namespace) -> Any:
-    from pagedserve.celery_app import make_app
+    from pagedserve.celery_client import make_sender
 
-    return make_app(args.redis or default_url())
+    return make_sender(args.redis or default_url())
 
 
 def _first_url(data: bytes) -> str:
@@ -260,7 +318,7 @@ def _control_plane(args: argparse.Namespace) -> int:
     if args.redis:
         os.environ[URL_ENV] = args.redis
     os.environ[PREFIX_ENV] = args.prefix
-    from pagedserve.celery_app import app
+    from stack.celery_app import app
 
     argv = ["worker", "-B", f"--pool={args.pool}", "--concurrency=1", f"--loglevel={args.loglevel}"]
     app.worker_main(argv)
@@ -281,7 +339,7 @@ def _split_delegated(argv: list[str]) -> tuple[dict[str, str], str, list[str]] |
             opts[name] = value
             i += 1
         elif tok in DELEGATED:
-            return opts, DELEGATED[tok], argv[i + 1 :]
+            return opts, DELEGATED[tok].module, argv[i + 1 :]
         else:
             return None
     return None
@@ -298,13 +356,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "prefix" in opts:
             os.environ[PREFIX_ENV] = opts["prefix"]
         try:
-            module = importlib.import_module(module_name)
+            entry = _BY_MODULE[module_name].load()
         except ModuleNotFoundError as e:
             if e.name is None or not module_name.startswith(e.name):
                 raise
             _print({"error": f"{module_name} is not available: {e}"})
             return 2
-        return int(module.main(rest) or 0)
+        return int(entry(rest) or 0)
     args = _parser().parse_args(argv)
     handlers = {
         "submit": _submit,

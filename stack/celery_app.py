@@ -5,7 +5,9 @@ job store and waits for it. Configured from the environment: ``PAGEDSERVE_REDIS_
 result backend; ``unix://`` URLs become ``redis+socket://``), ``PAGEDSERVE_PREFIX``,
 ``PAGEDSERVE_FINALIZE_EVERY_S`` and ``PAGEDSERVE_EXPIRE_EVERY_S`` (beat periods). JSON only.
 
-Run: ``celery -A pagedserve.celery_app worker -B --pool=solo`` (or ``pagedserve control-plane``).
+Run: ``celery -A stack.celery_app worker -B --pool=solo`` (or ``pagedserve control-plane``).
+Senders need none of this module: :mod:`pagedserve.celery_client` holds the task names and the
+app that sends them.
 """
 
 from __future__ import annotations
@@ -13,24 +15,21 @@ from __future__ import annotations
 import os
 import tempfile
 from typing import Any
-from urllib.parse import parse_qs, urlparse
 
 from celery import Celery
 
 from pagedserve.batches import BatchStore
+from pagedserve.celery_client import (
+    CANCEL,
+    EXPIRE,
+    FAN_OUT,
+    FINALIZE_READY,
+    GENERATE,
+    make_sender,
+)
 from pagedserve.client import Client
-from pagedserve.redis_util import default_url
 
 PREFIX_ENV = "PAGEDSERVE_PREFIX"
-
-
-def celery_url(url: str) -> str:
-    """A redis-py URL as kombu and Celery's Redis backend spell it (unix sockets differ)."""
-    u = urlparse(url)
-    if u.scheme != "unix":
-        return url
-    db = parse_qs(u.query).get("db", ["0"])[0]
-    return f"redis+socket://{u.path}?virtual_host={db}"
 
 
 def _prefix() -> str:
@@ -38,26 +37,19 @@ def _prefix() -> str:
 
 
 def make_app(redis_url: str | None = None) -> Celery:
-    url = celery_url(redis_url or default_url())
-    app = Celery("pagedserve", broker=url, backend=url, set_as_current=False)
+    """The control plane: the sender's configuration, the worker's settings, beat, the tasks."""
+    app = make_sender(redis_url)
     finalize_s = float(os.environ.get("PAGEDSERVE_FINALIZE_EVERY_S", "2"))
     expire_s = float(os.environ.get("PAGEDSERVE_EXPIRE_EVERY_S", "30"))
     app.conf.update(
-        task_serializer="json",
-        result_serializer="json",
-        event_serializer="json",
-        accept_content=["json"],
-        result_accept_content=["json"],
-        result_expires=3600,
         task_acks_late=True,
         worker_prefetch_multiplier=1,
-        broker_connection_retry_on_startup=True,
         beat_schedule_filename=os.path.join(
             tempfile.gettempdir(), f"pagedserve-beat-{os.getuid()}"
         ),
         beat_schedule={
-            "finalize-ready": {"task": "batches.finalize_ready", "schedule": finalize_s},
-            "expire": {"task": "batches.expire", "schedule": expire_s},
+            "finalize-ready": {"task": FINALIZE_READY, "schedule": finalize_s},
+            "expire": {"task": EXPIRE, "schedule": expire_s},
         },
     )
     _register(app, redis_url)
@@ -68,25 +60,25 @@ def _register(app: Celery, redis_url: str | None) -> None:
     def batches() -> BatchStore:
         return BatchStore(redis_url, prefix=_prefix())
 
-    @app.task(name="batches.fan_out", shared=False)
+    @app.task(name=FAN_OUT, shared=False)
     def fan_out(batch_id: str) -> dict[str, Any] | None:
         b = batches().fan_out(batch_id)
         return b.model_dump(mode="json") if b else None
 
-    @app.task(name="batches.finalize_ready", shared=False)
+    @app.task(name=FINALIZE_READY, shared=False)
     def finalize_ready() -> list[str]:
         return batches().finalize_ready()
 
-    @app.task(name="batches.expire", shared=False)
+    @app.task(name=EXPIRE, shared=False)
     def expire() -> list[str]:
         return batches().expire()
 
-    @app.task(name="batches.cancel", shared=False)
+    @app.task(name=CANCEL, shared=False)
     def cancel(batch_id: str) -> dict[str, Any] | None:
         b = batches().cancel(batch_id)
         return b.model_dump(mode="json") if b else None
 
-    @app.task(name="pagedserve.generate", shared=False)
+    @app.task(name=GENERATE, shared=False)
     def generate(
         prompt_or_messages: Any,
         params: dict[str, Any] | None = None,

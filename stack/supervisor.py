@@ -1,5 +1,5 @@
 """``pagedserve up``: the whole service on one machine, as child processes (``pagedserve demo``,
-in :mod:`pagedserve.demo`, runs it with sample work).
+in :mod:`stack.demo`, runs it with sample work).
 
 ``up`` starts, under one supervising process: a local ``redis-server`` with AOF (unless ``--redis``
 names one), a worker, the Celery control plane and the HTTP API (each only when its package is
@@ -142,7 +142,7 @@ def has_module(name: str) -> bool:
 
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "pagedserve", *args]
+    return [sys.executable, "-m", "stack", *args]
 
 
 class Supervisor:
@@ -213,7 +213,7 @@ class Supervisor:
         worker_cmd = _cli("worker", "--model", str(self.model), "--worker-id", "local-worker-0")
         worker_cmd += self.worker_defaults() + self.cfg.worker_args
         children = [Child("worker", worker_cmd, logs / "worker.log")]
-        if self.cfg.control_plane and has_module("celery") and has_module("pagedserve.celery_app"):
+        if self.cfg.control_plane and has_module("celery") and has_module("stack.celery_app"):
             children.append(Child("control-plane", _cli("control-plane"), logs / "control.log"))
         if self.cfg.api and has_module("api.server") and has_module("flask"):
             api_cmd = _cli("api", "--host", self.cfg.host, "--port", str(self.cfg.port))
@@ -411,7 +411,7 @@ def up_main(argv: Sequence[str] | None = None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``pagedserve up`` (``pagedserve demo`` is :func:`pagedserve.demo.main`)."""
+    """``pagedserve up`` (``pagedserve demo`` is :func:`stack.demo.main`)."""
     return up_main(argv)
 
 

@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from pagedserve.supervisor import (
+from stack.supervisor import (
     Supervisor,
     config_from,
     has_module,
