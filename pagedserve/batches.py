@@ -48,7 +48,7 @@ import redis
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagedserve.batch_checks import limit_errors
-from pagedserve.keys import Keys
+from pagedserve.keys import DEFAULT_PREFIX, Keys
 from pagedserve.openai_format import (
     BATCH_CANCELLED,
     BATCH_EXPIRED,
@@ -172,7 +172,7 @@ class FileStore:
     def __init__(
         self,
         r: redis.Redis,
-        prefix: str = "ps",
+        prefix: str = DEFAULT_PREFIX,
         max_bytes: int = DEFAULT_MAX_FILE_BYTES,
         ttl_s: int = DEFAULT_FILE_TTL_S,
     ):
@@ -392,7 +392,7 @@ class BatchStore:
         self,
         store: JobStore | str | None = None,
         *,
-        prefix: str = "ps",
+        prefix: str = DEFAULT_PREFIX,
         known_models: Collection[str] | None = None,
         max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
         reconcile_every_s: float = DEFAULT_RECONCILE_EVERY_S,

@@ -19,9 +19,8 @@ from celery import Celery
 
 from pagedserve.batches import BatchStore
 from pagedserve.client import Client
+from pagedserve.keys import env_prefix
 from pagedserve.redis_util import default_url
-
-PREFIX_ENV = "PAGEDSERVE_PREFIX"
 
 
 def celery_url(url: str) -> str:
@@ -34,7 +33,7 @@ def celery_url(url: str) -> str:
 
 
 def _prefix() -> str:
-    return os.environ.get(PREFIX_ENV, "ps")
+    return env_prefix()
 
 
 def make_app(redis_url: str | None = None) -> Celery:

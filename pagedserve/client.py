@@ -11,7 +11,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedserve.keys import Priority
+from pagedserve.keys import DEFAULT_PREFIX, Priority
 from pagedserve.params import SamplingParams
 from pagedserve.schemas import ChatMessage, DeltaEvent, JobRecord, JobRequest, JobStatus
 from pagedserve.store import JobStore, check_client_request
@@ -101,7 +101,7 @@ class Client:
         self,
         redis_url: str | None = None,
         *,
-        prefix: str = "ps",
+        prefix: str = DEFAULT_PREFIX,
         tenant: str | None = None,
         **store_kw: Any,
     ):

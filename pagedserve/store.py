@@ -32,7 +32,7 @@ from pydantic import ValidationError
 from redis.commands.core import Script
 
 from pagedserve import openai_format
-from pagedserve.keys import GROUP, PRIORITIES, Keys, Priority
+from pagedserve.keys import DEFAULT_PREFIX, GROUP, PRIORITIES, Keys, Priority
 from pagedserve.redis_util import connect
 from pagedserve.schemas import (
     TERMINAL_STATUSES,
@@ -48,7 +48,8 @@ from pagedserve.tenants import TAG_JOB, TenantBook
 log = logging.getLogger(__name__)
 
 DEFAULT_RETENTION_S = 24 * 3600
-DEFAULT_LEASE_MS = 30_000
+#: How long a lease lasts unless renewed; the worker service runs with the same default.
+DEFAULT_LEASE_MS = 15_000
 DEFAULT_MAX_DELIVERIES = 3
 DEFAULT_EVENTS_MAXLEN = 10_000
 
@@ -256,7 +257,7 @@ class JobStore:
         self,
         redis_client: redis.Redis | str | None = None,
         *,
-        prefix: str = "ps",
+        prefix: str = DEFAULT_PREFIX,
         retention_s: int = DEFAULT_RETENTION_S,
         lease_ms: int = DEFAULT_LEASE_MS,
         max_deliveries: int = DEFAULT_MAX_DELIVERIES,

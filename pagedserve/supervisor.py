@@ -31,11 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pagedserve.keys import DEFAULT_PREFIX, PREFIX_ENV, env_prefix
 from pagedserve.redis_util import URL_ENV, LocalRedisServer
 
 log = logging.getLogger("pagedserve.supervisor")
 
-PREFIX_ENV = "PAGEDSERVE_PREFIX"
 DEFAULT_HOME = Path(".pagedserve")
 #: Longest unix socket path redis accepts (sun_path is 108 bytes with the NUL).
 _MAX_SOCKET = 100
@@ -83,7 +83,7 @@ class UpConfig:
     home: Path = DEFAULT_HOME
     model: Path | None = None
     redis_url: str | None = None
-    prefix: str = "ps"
+    prefix: str = DEFAULT_PREFIX
     port: int = 8000
     host: str = "127.0.0.1"
     worker_args: list[str] = field(default_factory=list)
@@ -338,7 +338,7 @@ def _config(args: argparse.Namespace) -> UpConfig:
         home=args.home,
         model=args.model,
         redis_url=args.redis or os.environ.get(URL_ENV) or None,
-        prefix=args.prefix or os.environ.get(PREFIX_ENV, "ps"),
+        prefix=args.prefix or env_prefix(),
         port=args.port,
         host=args.host,
         worker_args=list(args.worker_arg),

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from pagedserve.client import Client
+from pagedserve.keys import DEFAULT_PREFIX
 
 #: Test-sized worker options (passed through the supervisor's --worker-arg).
 WORKER_ARGS = (
@@ -204,7 +205,7 @@ def test_up_serves_and_stops_on_sigint(up_proc: tuple) -> None:
     else:
         pytest.fail(f"/healthz and /readyz not both 200 within 60 s\n{logs(home)}")
 
-    with Client(up["redis"], prefix="ps") as client:
+    with Client(up["redis"], prefix=DEFAULT_PREFIX) as client:
         job = client.submit("Hello there", {"max_tokens": 8, "temperature": 0})
         rec = client.wait(job, timeout=60)
     assert rec.status == "succeeded", rec.error

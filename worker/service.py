@@ -37,10 +37,11 @@ from typing import TYPE_CHECKING, Any
 import redis
 from pydantic import ValidationError
 
+from pagedserve.keys import DEFAULT_PREFIX, env_prefix
 from pagedserve.redis_util import default_url
 from pagedserve.schemas import Completion, JobResult
 from pagedserve.schemas import TokenLogprob as WireLogprob
-from pagedserve.store import Finish, JobStore, Lease, Progress, WriteError
+from pagedserve.store import DEFAULT_LEASE_MS, Finish, JobStore, Lease, Progress, WriteError
 from pagedserve.telemetry import (
     Histogram,
     PoolSnapshot,
@@ -56,7 +57,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pagedserve.worker")
 
-PREFIX_ENV = "PAGEDSERVE_PREFIX"
 #: Errors that mean "Redis is unreachable right now": retried with backoff, never fatal.
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
 #: How the failure reason of a job whose state Redis refused to write begins.
@@ -71,8 +71,8 @@ class ServiceConfig:
 
     worker_id: str
     redis_url: str
-    prefix: str = "ps"
-    lease_ms: int = 15_000
+    prefix: str = DEFAULT_PREFIX
+    lease_ms: int = DEFAULT_LEASE_MS
     reclaim_ms: int = 15_000  # an entry idle this long belongs to a dead worker
     max_deliveries: int = 3
     grace_s: float = 30.0
@@ -627,7 +627,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = ServiceConfig(
         worker_id=args.worker_id or f"{socket.gethostname()}-{os.getpid()}",
         redis_url=args.redis or default_url(),
-        prefix=args.prefix or os.environ.get(PREFIX_ENV, "ps"),
+        prefix=args.prefix or env_prefix(),
         lease_ms=args.lease_ms,
         reclaim_ms=args.reclaim_ms,
         max_deliveries=args.max_deliveries,
