@@ -22,7 +22,8 @@ from pagedserve.redis_util import URL_ENV, default_url
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="pagedserve api", description=__doc__)
     ap.add_argument("--redis", default=None, help=f"Redis URL (default: ${URL_ENV})")
-    ap.add_argument("--prefix", default=None, help=f"key prefix (default: ${PREFIX_ENV} or {DEFAULT_PREFIX})")
+    prefix_help = f"key prefix (default: ${PREFIX_ENV} or {DEFAULT_PREFIX})"
+    ap.add_argument("--prefix", default=None, help=prefix_help)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--workers", type=int, default=2, help="gunicorn worker processes")
