@@ -33,7 +33,7 @@ from redis.commands.core import Script
 
 from pagedserve import openai_format
 from pagedserve.keys import DEFAULT_PREFIX, GROUP, PRIORITIES, Keys, Priority
-from pagedserve.redis_util import connect
+from pagedserve.redis_util import connect, stream_entries
 from pagedserve.schemas import (
     TERMINAL_STATUSES,
     UNPARSABLE_REQUEST,
@@ -241,12 +241,8 @@ def _job_of(fields: Any) -> str | None:
 def _flatten_entries(reply: Any) -> list[Entry]:
     """An XREADGROUP reply (RESP2 list or RESP3 dict) -> entries."""
     out: list[Entry] = []
-    items = reply.items() if isinstance(reply, dict) else (reply or [])
-    for stream, entries in items:
-        if isinstance(entries, list) and entries and isinstance(entries[0], list):
-            entries = entries[0]  # RESP3 wraps the entries in a list
-        for entry_id, fields in entries:
-            out.append((stream, entry_id, _job_of(fields)))
+    for stream, entries in stream_entries(reply):
+        out += [(stream, entry_id, _job_of(fields)) for entry_id, fields in entries]
     return out
 
 
