@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from pagedserve.keys import DEFAULT_PREFIX, env_prefix
 from pagedserve.redis_util import URL_ENV, default_url
 
 #: Comma-separated API keys, each ``tenant:key``, ``tenant:sha256:<hex>`` (optionally ending in
@@ -19,7 +20,6 @@ API_KEYS_FILE_ENV = "PAGEDSERVE_API_KEYS_FILE"
 TENANT_MAX_QUEUED_ENV = "PAGEDSERVE_TENANT_MAX_QUEUED"
 #: Most bytes of stored files per tenant; 0 or unset: no limit.
 TENANT_MAX_FILE_BYTES_ENV = "PAGEDSERVE_TENANT_MAX_FILE_BYTES"
-PREFIX_ENV = "PAGEDSERVE_PREFIX"
 
 MIB = 1024 * 1024
 
@@ -32,7 +32,7 @@ def parse_keys(value: str | None) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class ApiConfig:
     redis_url: str = field(default_factory=default_url)
-    prefix: str = "ps"
+    prefix: str = DEFAULT_PREFIX
     #: API key entries (see :data:`API_KEYS_ENV`); empty, with no keys file: no authentication.
     api_keys: tuple[str, ...] = ()
     #: A file of more key entries, read once at start.
@@ -63,7 +63,7 @@ class ApiConfig:
     def from_env(cls, **overrides: Any) -> ApiConfig:
         base = cls(
             redis_url=os.environ.get(URL_ENV) or default_url(),
-            prefix=os.environ.get(PREFIX_ENV, "ps"),
+            prefix=env_prefix(),
             api_keys=parse_keys(os.environ.get(API_KEYS_ENV)),
             api_keys_file=os.environ.get(API_KEYS_FILE_ENV) or None,
             tenant_max_queued=int(os.environ.get(TENANT_MAX_QUEUED_ENV) or 0),

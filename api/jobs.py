@@ -13,6 +13,7 @@ from api import auth
 from api.errors import ApiError, json_body, quota_error
 from api.state import AppState, ContextLimits, get_state
 from pagedserve.client import new_job_id
+from pagedserve.events import Gone, follow_events
 from pagedserve.schemas import MAX_IDEMPOTENCY_KEY, DeltaEvent, JobRecord, JobRequest, JobStatus
 from pagedserve.store import check_client_request
 from pagedserve.tenants import DEFAULT_TENANT
@@ -164,14 +165,6 @@ def cancel_job(job_id: str) -> dict[str, Any]:
     return {"id": job_id, "object": "job", "status": status.value}
 
 
-def _entries(reply: Any) -> list[tuple[str, dict[str, str]]]:
-    """An XREAD reply for one stream (RESP2 list or RESP3 dict) -> its entries."""
-    entries: list[tuple[str, dict[str, str]]] = []
-    for _stream, items in reply.items() if isinstance(reply, dict) else reply or []:
-        entries = items[0] if items and isinstance(items[0], list) else items
-    return entries
-
-
 def sse(ev: DeltaEvent) -> str:
     data = ev.model_dump_json(exclude_none=True)
     return f"id: {ev.id}\nevent: {ev.type}\ndata: {data}\n\n"
@@ -183,27 +176,26 @@ def follow(state: AppState, job_id: str, last: str) -> Iterator[str]:
     A job leased again after its worker died gets a ``restart`` event (``event: restart``), and
     the earlier run's deltas are trimmed from its stream: a follower discards what it has shown
     and goes on with the deltas that follow (a reader from the start sees only the new run)."""
-    key = state.store.keys.events(job_id)
     deadline = time.monotonic() + state.config.sse_max_s
     yield ": stream of job events\n\n"
-    while time.monotonic() < deadline:
-        reply = state.r.xread({key: last}, count=256, block=state.config.sse_block_ms)
-        entries = _entries(reply)
-        for entry_id, fields in entries:
-            last = entry_id
-            ev = DeltaEvent.from_stream(entry_id, fields)
-            yield sse(ev)
-            if ev.type == "end":
+    for item in follow_events(
+        state.store,
+        job_id,
+        last,
+        count=256,
+        block_ms=lambda: state.config.sse_block_ms,
+        keep_going=lambda: time.monotonic() < deadline,
+    ):
+        if isinstance(item, DeltaEvent):
+            yield sse(item)
+            if item.type == "end":
                 return
-        if entries:
-            continue
-        status = state.store.status(job_id)
-        if status == JobStatus.NOT_FOUND or (status.terminal and not state.r.exists(key)):
+        elif isinstance(item, Gone):
             # Expired, or ended with its events already trimmed away: close with a final event.
-            end = DeltaEvent(id=last, type="end", status=status)
-            yield sse(end)
+            yield sse(DeltaEvent(id=item.last, type="end", status=item.status))
             return
-        yield ": keep-alive\n\n"
+        else:
+            yield ": keep-alive\n\n"
     yield 'event: timeout\ndata: {"message": "stream time limit reached; reconnect"}\n\n'
 
 

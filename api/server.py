@@ -14,14 +14,16 @@ from typing import Any
 from flask import Flask
 
 from api.app import create_app
-from api.config import API_KEYS_ENV, PREFIX_ENV, ApiConfig
+from api.config import API_KEYS_ENV, ApiConfig
+from pagedserve.keys import DEFAULT_PREFIX, PREFIX_ENV
 from pagedserve.redis_util import URL_ENV, default_url
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="pagedserve api", description=__doc__)
     ap.add_argument("--redis", default=None, help=f"Redis URL (default: ${URL_ENV})")
-    ap.add_argument("--prefix", default=None, help=f"key prefix (default: ${PREFIX_ENV} or ps)")
+    prefix_help = f"key prefix (default: ${PREFIX_ENV} or {DEFAULT_PREFIX})"
+    ap.add_argument("--prefix", default=None, help=prefix_help)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--workers", type=int, default=2, help="gunicorn worker processes")

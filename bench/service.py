@@ -25,6 +25,7 @@ from typing import Any
 from bench.common import emit
 from bench.throughput import Workload, make_mixed, model_numbers
 from pagedserve.client import Client
+from pagedserve.keys import DEFAULT_PREFIX, PREFIX_ENV
 from pagedserve.params import SamplingParams
 from pagedserve.redis_util import URL_ENV, LocalRedisServer
 from pagedserve.schemas import JobRequest
@@ -95,7 +96,7 @@ def run_offline(model: Path, wl: Workload, args: argparse.Namespace) -> float:
 
 
 def start_worker(url: str, model: Path, args: argparse.Namespace, log: Path) -> subprocess.Popen:
-    env = dict(os.environ, **{URL_ENV: url, "PAGEDSERVE_PREFIX": "ps"})
+    env = dict(os.environ, **{URL_ENV: url, PREFIX_ENV: DEFAULT_PREFIX})
     env.setdefault("OMP_NUM_THREADS", str(args.threads))
     cmd = [sys.executable, "-m", "stack", "worker", "--model", str(model),
            "--worker-id", "bench", "--log-level", "WARNING", *engine_options(args)]  # fmt: skip

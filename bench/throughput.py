@@ -70,6 +70,8 @@ class Preset:
 
 PRESETS = {
     "quick": Preset(24, 24, 32, (8,)),
+    # The test suite's end-to-end run: every workload and check of quick, fewer requests.
+    "smoke": Preset(8, 8, 16, (8,)),
     "full": Preset(96, 96, 96, (8, 16, 32)),
     # The embedded real model (SmolLM2-135M-Instruct), sized as in PEERS.md for it.
     "smollm2": Preset(

@@ -11,7 +11,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedserve.keys import Priority
+from pagedserve.events import Gone, follow_events
+from pagedserve.keys import DEFAULT_PREFIX, Priority
 from pagedserve.params import SamplingParams
 from pagedserve.schemas import ChatMessage, DeltaEvent, JobRecord, JobRequest, JobStatus
 from pagedserve.store import JobStore, check_client_request
@@ -101,7 +102,7 @@ class Client:
         self,
         redis_url: str | None = None,
         *,
-        prefix: str = "ps",
+        prefix: str = DEFAULT_PREFIX,
         tenant: str | None = None,
         **store_kw: Any,
     ):
@@ -240,32 +241,23 @@ class Client:
         after it are the new run's, from its first token. The earlier run's deltas are also
         trimmed from the stream, so a reader that starts later sees only the new run. Use
         :func:`accumulate` to fold events into each completion's text and token ids."""
-        key = self.keys.events(job_id)
         deadline = None if timeout is None else time.monotonic() + timeout
-        last = "0-0"
-        while True:
+
+        def block_ms() -> int:
             block_s = _BLOCK_SLICE_S
             if deadline is not None:
                 block_s = min(block_s, max(0.001, deadline - time.monotonic()))
-            reply = self.r.xread({key: last}, count=512, block=max(1, int(block_s * 1e3)))
-            entries = []
-            for _stream, items in reply.items() if isinstance(reply, dict) else reply or []:
-                entries = items[0] if items and isinstance(items[0], list) else items
-            for entry_id, fields in entries:
-                last = entry_id
-                ev = DeltaEvent.from_stream(entry_id, fields)
-                yield ev
-                if ev.type == "end":
-                    return
-            if entries:
-                continue
-            status = self.store.status(job_id)
-            if status == JobStatus.NOT_FOUND:
+            return max(1, int(block_s * 1e3))
+
+        for item in follow_events(self.store, job_id, count=512, block_ms=block_ms):
+            if isinstance(item, DeltaEvent):
+                yield item
+            elif item.status == JobStatus.NOT_FOUND:
                 raise KeyError(f"job {job_id} not found")
-            if status.terminal and not self.r.exists(key):
+            elif isinstance(item, Gone):
                 return  # ended, and its events already expired
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"job {job_id} still {status.value} after {timeout} s")
+            elif deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"job {job_id} still {item.status.value} after {timeout} s")
 
     def close(self) -> None:
         self.r.close()

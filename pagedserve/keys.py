@@ -19,6 +19,7 @@ Layout (prefix ``ps`` by default)::
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -30,7 +31,14 @@ PRIORITIES: tuple[Priority, ...] = ("interactive", "bulk")
 #: The one consumer group every worker joins.
 GROUP = "workers"
 
+#: The key prefix when none is given, and the environment variable every process reads it from.
 DEFAULT_PREFIX = "ps"
+PREFIX_ENV = "PAGEDSERVE_PREFIX"
+
+
+def env_prefix() -> str:
+    """The key prefix from ``PAGEDSERVE_PREFIX``, else :data:`DEFAULT_PREFIX`."""
+    return os.environ.get(PREFIX_ENV, DEFAULT_PREFIX)
 
 
 @dataclass(frozen=True)

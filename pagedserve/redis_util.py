@@ -9,6 +9,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -24,6 +25,17 @@ def default_url() -> str:
 def connect(url: str | None = None) -> redis.Redis:
     """A client that decodes replies to ``str`` (everything we store is text or JSON)."""
     return redis.Redis.from_url(url or default_url(), decode_responses=True)
+
+
+def stream_entries(reply: Any) -> list[tuple[str, list[tuple[str, Any]]]]:
+    """An XREAD / XREADGROUP reply (RESP2 list, or RESP3 dict whose entries come wrapped in a
+    list) -> ``(stream, entries)`` pairs."""
+    out: list[tuple[str, list[tuple[str, Any]]]] = []
+    for stream, entries in reply.items() if isinstance(reply, dict) else reply or []:
+        if isinstance(entries, list) and entries and isinstance(entries[0], list):
+            entries = entries[0]  # RESP3 wraps the entries in a list
+        out.append((stream, entries))
+    return out
 
 
 class LocalRedisServer:

@@ -28,12 +28,11 @@ from pagedserve.celery_client import (
     make_sender,
 )
 from pagedserve.client import Client
-
-PREFIX_ENV = "PAGEDSERVE_PREFIX"
+from pagedserve.keys import env_prefix
 
 
 def _prefix() -> str:
-    return os.environ.get(PREFIX_ENV, "ps")
+    return env_prefix()
 
 
 def make_app(redis_url: str | None = None) -> Celery:

@@ -18,10 +18,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from pagedserve.keys import DEFAULT_PREFIX, PREFIX_ENV
 from pagedserve.redis_util import DEFAULT_URL, URL_ENV, default_url
 
 #: Environment variable through which ``--prefix`` reaches delegated subcommands.
-PREFIX_ENV = "PAGEDSERVE_PREFIX"
 
 #: A delegated subcommand's entry point: ``main(argv)``, returning an exit status (None: 0).
 Entry = Callable[[list[str]], int | None]
@@ -103,7 +103,9 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help=f"Redis URL (default: ${URL_ENV}, else {DEFAULT_URL})",
     )
-    ap.add_argument("--prefix", default="ps", help="Redis key prefix (default: ps)")
+    ap.add_argument(
+        "--prefix", default=DEFAULT_PREFIX, help=f"Redis key prefix (default: {DEFAULT_PREFIX})"
+    )
     ap.add_argument(
         "--tenant",
         default=None,

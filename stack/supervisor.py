@@ -37,13 +37,12 @@ from typing import Any
 
 import redis
 
-from pagedserve.keys import Keys
+from pagedserve.keys import DEFAULT_PREFIX, PREFIX_ENV, Keys, env_prefix
 from pagedserve.redis_util import URL_ENV, LocalRedisServer, connect
 from worker.model_source import DEFAULT_MODEL_DIST, DEFAULT_MODEL_NAME, default_model_path
 
 log = logging.getLogger("pagedserve.supervisor")
 
-PREFIX_ENV = "PAGEDSERVE_PREFIX"
 DEFAULT_HOME = Path(".pagedserve")
 #: Longest unix socket path redis accepts (sun_path is 108 bytes with the NUL).
 _MAX_SOCKET = 100
@@ -124,7 +123,7 @@ class UpConfig:
     #: A checkpoint directory or a .gguf file; None: the embedded default (else the tiny model).
     model: Path | None = None
     redis_url: str | None = None
-    prefix: str = "ps"
+    prefix: str = DEFAULT_PREFIX
     port: int = 8000
     host: str = "127.0.0.1"
     worker_args: list[str] = field(default_factory=list)
@@ -370,7 +369,7 @@ def config_from(args: argparse.Namespace) -> UpConfig:
         home=args.home,
         model=args.model,
         redis_url=args.redis or os.environ.get(URL_ENV) or None,
-        prefix=args.prefix or os.environ.get(PREFIX_ENV, "ps"),
+        prefix=args.prefix or env_prefix(),
         port=args.port,
         host=args.host,
         worker_args=list(args.worker_arg),

@@ -17,7 +17,7 @@ from celery import Celery, chain, group
 
 from pagedserve.batches import BatchStore
 from pagedserve.openai_format import COMPLETIONS_URL
-from pagedserve.redis_util import LocalRedisServer
+from pagedserve.redis_util import URL_ENV, LocalRedisServer
 from pagedserve.schemas import Completion, JobResult
 from pagedserve.store import Finish, JobStore
 from stack.celery_app import make_app
@@ -38,7 +38,7 @@ def server() -> Iterator[LocalRedisServer]:
 
 @pytest.fixture(scope="module")
 def app(server: LocalRedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Celery]:
-    env = dict(os.environ, PAGEDSERVE_REDIS_URL=server.url, PAGEDSERVE_FINALIZE_EVERY_S="0.5")
+    env = dict(os.environ, **{URL_ENV: server.url}, PAGEDSERVE_FINALIZE_EVERY_S="0.5")
     log = tmp_path_factory.mktemp("celery") / "worker.log"
     celery_bin = str(Path(sys.executable).with_name("celery"))
     cmd = [celery_bin, "-A", "stack.celery_app", "worker", "-B", "--pool=solo",

@@ -9,13 +9,14 @@ import subprocess
 import sys
 from typing import Any
 
+from pagedserve.redis_util import URL_ENV
 from pagedserve.schemas import JobStatus
 from pagedserve.store import JobStore
 from stack.cli import _split_delegated
 
 
 def cli(redis_url: str, *args: str) -> tuple[int, Any]:
-    env = {k: v for k, v in os.environ.items() if k != "PAGEDSERVE_REDIS_URL"}
+    env = {k: v for k, v in os.environ.items() if k != URL_ENV}
     proc = subprocess.run(
         [sys.executable, "-m", "stack", "--redis", redis_url, *args],
         capture_output=True,

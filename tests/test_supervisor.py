@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from pagedserve.client import Client
+from pagedserve.keys import DEFAULT_PREFIX
 from stack.demo import BATCH_QUESTIONS, DEMO_QUESTIONS
 from stack.supervisor import RestartPolicy
 from worker.model_source import DEFAULT_MODEL_NAME, default_model_path
@@ -230,7 +231,7 @@ def test_up_serves_and_stops_on_sigint(up_proc: tuple) -> None:
     else:
         pytest.fail(f"/healthz and /readyz not both 200 within 60 s\n{logs(home)}")
 
-    with Client(up["redis"], prefix="ps") as client:
+    with Client(up["redis"], prefix=DEFAULT_PREFIX) as client:
         job = client.submit("Hello there", {"max_tokens": 8, "temperature": 0})
         rec = client.wait(job, timeout=60)
     assert rec.status == "succeeded", rec.error
@@ -275,7 +276,7 @@ def test_up_restarts_a_killed_worker_and_counts_it(up_proc: tuple) -> None:
     sessions |= child_sessions(up["pids"])
     base = f"http://127.0.0.1:{port}"
     wait_until_healthy(proc, home, base)
-    with Client(up["redis"], prefix="ps") as client:
+    with Client(up["redis"], prefix=DEFAULT_PREFIX) as client:
         old = worker_pid(client, timeout=60)
         assert old == up["pids"]["worker"]
         params = {"max_tokens": 64, "temperature": 0, "ignore_eos": True}

@@ -10,10 +10,11 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pagedserve.keys import DEFAULT_PREFIX, env_prefix
 from pagedserve.redis_util import default_url
+from pagedserve.store import DEFAULT_LEASE_MS
 from worker.outputs import EngineConfig
 
-PREFIX_ENV = "PAGEDSERVE_PREFIX"
 DESCRIPTION = "pagedserve worker: the long-lived Redis service loop around one Engine."
 
 
@@ -23,8 +24,8 @@ class ServiceConfig:
 
     worker_id: str
     redis_url: str
-    prefix: str = "ps"
-    lease_ms: int = 15_000
+    prefix: str = DEFAULT_PREFIX
+    lease_ms: int = DEFAULT_LEASE_MS
     reclaim_ms: int = 15_000  # an entry idle this long belongs to a dead worker
     max_deliveries: int = 3
     grace_s: float = 30.0
@@ -71,7 +72,7 @@ def parse_args(argv: Sequence[str] | None, description: str = DESCRIPTION) -> ar
     e.add_argument("--num-threads", type=int, default=None)
     e.add_argument("--no-prefix-caching", action="store_true")
     s = ap.add_argument_group("service")
-    s.add_argument("--lease-ms", type=int, default=15_000)
+    s.add_argument("--lease-ms", type=int, default=DEFAULT_LEASE_MS)
     s.add_argument("--reclaim-ms", type=int, default=15_000)
     s.add_argument("--max-deliveries", type=int, default=3)
     s.add_argument("--grace-s", type=float, default=30.0)
@@ -99,7 +100,7 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
     return ServiceConfig(
         worker_id=args.worker_id or f"{socket.gethostname()}-{os.getpid()}",
         redis_url=args.redis or default_url(),
-        prefix=args.prefix or os.environ.get(PREFIX_ENV, "ps"),
+        prefix=args.prefix or env_prefix(),
         lease_ms=args.lease_ms,
         reclaim_ms=args.reclaim_ms,
         max_deliveries=args.max_deliveries,

@@ -1,0 +1,1 @@
+"""The parts of :class:`pagedserve.batches.BatchStore` (import it from ``pagedserve.batches``)."""

@@ -1,0 +1,1 @@
+"""The parts of :class:`pagedserve.store.JobStore` (import it from ``pagedserve.store``)."""

@@ -1,0 +1,141 @@
+"""The job store's shared core: loading the Lua scripts and running script calls in one round
+trip (EVALSHA, reloaded on NOSCRIPT), and adding batch lines of jobs that ended outside a
+worker's final write.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from importlib import resources
+from typing import Any
+
+import redis
+from redis.commands.core import Script
+
+from pagedserve.jobstore.records import TRANSIENT_REPLY_ERRORS, ClaimStats, Entry, Lease, LineAdd
+from pagedserve.keys import GROUP, PRIORITIES, Keys
+from pagedserve.tenants import TenantBook
+
+log = logging.getLogger("pagedserve.store")
+
+_SCRIPTS = (
+    "enqueue",
+    "lease",
+    "renew",
+    "finish",
+    "progress",
+    "release",
+    "cancel",
+    "pop_cancels",
+    "batch_line",
+)
+
+#: One script call: (script name, KEYS, ARGV).
+Call = tuple[str, Sequence[str], Sequence[Any]]
+
+
+def _load_lua(name: str) -> str:
+    base = resources.files("pagedserve") / "lua"
+    common = (base / "_common.lua").read_text()
+    return common + "\n" + (base / f"{name}.lua").read_text()
+
+
+class StoreBase:
+    """What every part of :class:`~pagedserve.store.JobStore` shares: the connection, key names,
+    settings, and running script calls (set up by ``JobStore.__init__``)."""
+
+    r: redis.Redis
+    keys: Keys
+    retention_s: int
+    lease_ms: int
+    max_deliveries: int
+    events_maxlen: int
+    stats: ClaimStats
+    tenants: TenantBook
+    malformed: list[tuple[Lease, str]]
+    _scripts: dict[str, Script]
+    _groups_ready: bool
+    _pending_cursor: dict[tuple[str, str], str | None]
+    _stash: dict[str, list[Entry]]
+    _autoclaim_cursor: dict[str, str]
+
+    def ensure_groups(self) -> None:
+        """Create the priority streams and their consumer group (idempotent)."""
+        if self._groups_ready:
+            return
+        for prio in PRIORITIES:
+            try:
+                self.r.xgroup_create(self.keys.stream(prio), GROUP, id="0", mkstream=True)
+            except redis.ResponseError as e:
+                if "BUSYGROUP" not in str(e):
+                    raise
+        self._groups_ready = True
+
+    def script(self, name: str) -> Script:
+        return self._scripts[name]
+
+    def load_scripts(self) -> None:
+        """SCRIPT LOAD every script (after a server restart flushed the script cache)."""
+        pipe = self.r.pipeline(transaction=False)
+        for sc in self._scripts.values():
+            pipe.script_load(sc.script)
+        pipe.execute()
+
+    def _exec(
+        self, calls: Sequence[Call], *, raise_errors: bool = True, transaction: bool = False
+    ) -> list[Any]:
+        """Run script calls as EVALSHA in one pipeline (MULTI/EXEC with ``transaction``): one
+        round trip.
+
+        A NOSCRIPT error (empty script cache after a Redis restart) fails every call of the
+        pipeline the same way, so loading the scripts and resending it once is safe. With
+        ``raise_errors=False`` a call's error is returned in its place (the others still count),
+        except transient ones (:data:`TRANSIENT_REPLY_ERRORS`), which are raised.
+        """
+        if not calls:
+            return []
+        for attempt in (0, 1):
+            pipe = self.r.pipeline(transaction=transaction)
+            for name, keys, args in calls:
+                pipe.evalsha(self._scripts[name].sha, len(keys), *keys, *args)
+            replies = pipe.execute(raise_on_error=False)
+            if attempt == 0 and any(isinstance(x, redis.exceptions.NoScriptError) for x in replies):
+                self.load_scripts()
+                continue
+            for x in replies:
+                if isinstance(x, Exception) and (
+                    raise_errors or isinstance(x, TRANSIENT_REPLY_ERRORS)
+                ):
+                    raise x
+            return replies
+        raise AssertionError("unreachable")
+
+    def add_batch_lines(self, adds: Sequence[LineAdd]) -> int:
+        """Add batch lines of jobs that ended without their worker's final write (one round
+        trip); each is added only for a member of its batch, once. Returns how many were (an
+        error of one batch is logged, not raised)."""
+        calls: list[Call] = []
+        for a in adds:
+            bid = a.ref.batch_id
+            keys = [
+                self.keys.job(a.job_id),
+                self.keys.batch(bid),
+                self.keys.batch_members(bid),
+                self.keys.batch_counted(bid),
+                self.keys.batch_output(bid) if a.ok else self.keys.batch_errors(bid),
+            ]
+            flags = ["1" if a.allow_missing else "0", "1" if a.allow_running else "0"]
+            field_ = "completed" if a.ok else "failed"
+            calls.append(("batch_line", keys, [a.job_id, bid, a.line, field_, *flags]))
+        added = 0
+        for a, reply in zip(adds, self._exec(calls, raise_errors=False), strict=True):
+            if isinstance(reply, Exception):
+                # A broken batch (a key of the wrong type) must not fail the cancel, claim or
+                # release that ended the job; the batch's own finalisation reports it.
+                log.warning(
+                    "batch %s: line of job %s not added: %s", a.ref.batch_id, a.job_id, reply
+                )
+            else:
+                added += int(reply)
+        return added

@@ -1,0 +1,184 @@
+"""The client side of the job store: enqueue (one or many, idempotent, tenant-tagged), read
+records and statuses, cancel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pydantic import ValidationError
+
+from pagedserve import openai_format
+from pagedserve.jobstore.base import Call, StoreBase
+from pagedserve.jobstore.records import (
+    BatchRef,
+    LineAdd,
+    batch_line,
+    check_client_request,
+)
+from pagedserve.schemas import (
+    UNPARSABLE_REQUEST,
+    JobRecord,
+    JobRequest,
+    JobResult,
+    JobStatus,
+    short_validation_error,
+)
+
+
+class ClientSide(StoreBase):
+    """Enqueue, read and cancel jobs (what clients and the API call)."""
+
+    def enqueue_args(
+        self, job_id: str, request: JobRequest, *, batch: BatchRef | None = None
+    ) -> tuple[list[str], list[str]]:
+        """KEYS and ARGV of the enqueue script (exposed for pipelined bulk submission).
+
+        Without ``batch`` the request is a client's: reserved names raise ``ValueError``. With
+        ``batch`` (the fan-out) the job is a member of that batch, idempotent per custom id
+        under a key no client can name (``Keys.batch_idem``)."""
+        if batch is None:
+            check_client_request(request)
+            idem = request.idempotency_key
+            idem_key = self.keys.idem(idem or "")
+        else:
+            idem = idem_key = self.keys.batch_idem(batch.batch_id, batch.idempotency_digest())
+        keys = [self.keys.job(job_id), self.keys.stream(request.priority), idem_key]
+        args = [
+            job_id,
+            request.model_dump_json(exclude_none=True),
+            request.priority,
+            "1" if idem else "0",
+        ]
+        if batch is not None:
+            keys.append(self.keys.batch_members(batch.batch_id))
+            args += [batch.batch_id, batch.custom_id, batch.url, batch.model]
+        return keys, args
+
+    def enqueue(
+        self,
+        job_id: str,
+        request: JobRequest,
+        *,
+        batch: BatchRef | None = None,
+        tenant: str | None = None,
+    ) -> tuple[str, bool]:
+        """Store and queue a job. Returns ``(job id, created)``; with an idempotency key already
+        used, the existing job's id and ``False``. ``tenant`` is written as the record's own
+        ``tenant`` field, atomically with the job (and counted, :mod:`pagedserve.tenants`)."""
+        batches = [batch] if batch is not None else None
+        return self.enqueue_many([(job_id, request)], batches=batches, tenant=tenant)[0]
+
+    def enqueue_many(
+        self,
+        jobs: Sequence[tuple[str, JobRequest]],
+        *,
+        batches: Sequence[BatchRef] | None = None,
+        tenant: str | None = None,
+    ) -> list[tuple[str, bool]]:
+        """:meth:`enqueue` for many jobs in one pipelined round trip (chunk large lists);
+        ``batches`` gives each job's :class:`BatchRef` (the fan-out). With a ``tenant`` each
+        enqueue is followed by its tenant tag, all in one MULTI/EXEC."""
+        self.ensure_groups()
+        refs: Sequence[BatchRef | None] = batches if batches is not None else [None] * len(jobs)
+        calls: list[Call] = []
+        for (jid, req), ref in zip(jobs, refs, strict=True):
+            calls.append(("enqueue", *self.enqueue_args(jid, req, batch=ref)))
+            if tenant is not None:
+                tag_args = [jid, tenant, self.keys.job("")]
+                calls.append(("tag_tenant", self.tenants.tag_keys(jid, tenant), tag_args))
+        replies = self._exec(calls, transaction=tenant is not None)
+        step = 1 if tenant is None else 2
+        return [(got, bool(created)) for got, created in replies[::step]]
+
+    def owner(self, job_id: str) -> tuple[bool, str | None]:
+        """(whether the job exists, its tenant) in one round trip."""
+        jid, tenant = self.r.hmget(self.keys.job(job_id), "id", "tenant")
+        return jid is not None, tenant
+
+    def get(self, job_id: str) -> JobRecord | None:
+        """The job's record, or ``None`` for an unknown (or expired) id."""
+        return self._record(self.r.hgetall(self.keys.job(job_id)))
+
+    def get_many(self, job_ids: Sequence[str]) -> list[JobRecord | None]:
+        pipe = self.r.pipeline(transaction=False)
+        for jid in job_ids:
+            pipe.hgetall(self.keys.job(jid))
+        return [self._record(h) for h in pipe.execute()]
+
+    def status(self, job_id: str) -> JobStatus:
+        s = self.r.hget(self.keys.job(job_id), "status")
+        return JobStatus(s) if s else JobStatus.NOT_FOUND
+
+    def statuses(self, job_ids: Sequence[str]) -> list[JobStatus]:
+        pipe = self.r.pipeline(transaction=False)
+        for jid in job_ids:
+            pipe.hget(self.keys.job(jid), "status")
+        return [JobStatus(s) if s else JobStatus.NOT_FOUND for s in pipe.execute()]
+
+    def cancel(self, job_id: str) -> JobStatus:
+        """Cancel a job: queued -> cancelled at once; running -> cancelling (its worker aborts it
+        at its next step and writes cancelled); a finished job keeps its status. A batch job
+        cancelled here gets its ``batch_cancelled`` line."""
+        return self.cancel_many([job_id])[0]
+
+    def cancel_many(
+        self,
+        job_ids: Sequence[str],
+        *,
+        code: str = openai_format.BATCH_CANCELLED,
+        message: str = "cancelled before it ran",
+        count_running: bool = False,
+    ) -> list[JobStatus]:
+        """:meth:`cancel` for many jobs (two pipelined round trips). Each batch job that ends
+        here gets its ``code`` error line; with ``count_running`` (a batch expiring) a running
+        one too, so that the batch's files are complete at once (its worker's later cancelled
+        write then finds it counted and adds nothing)."""
+        args = [self.keys.cancel_prefix, self.retention_s, self.events_maxlen]
+        calls: list[Call] = [
+            ("cancel", [self.keys.job(j), self.keys.events(j)], args) for j in job_ids
+        ]
+        replies = self._exec(calls)
+        adds: list[LineAdd] = []
+        for jid, (status, ended, *fields) in zip(job_ids, replies, strict=True):
+            ref = BatchRef.from_fields(fields)
+            running = count_running and status in ("running", "cancelling")
+            if ref is not None and (int(ended) or running):
+                ok, line = batch_line(ref, jid, "cancelled", error=message, code=code)
+                adds.append(LineAdd(jid, ref, ok, line, allow_running=running))
+        self.add_batch_lines(adds)
+        return [JobStatus(reply[0]) for reply in replies]
+
+    @staticmethod
+    def _record(h: dict[str, str]) -> JobRecord | None:
+        if not h:
+            return None
+
+        def opt_float(name: str) -> float | None:
+            v = h.get(name)
+            return float(v) if v else None
+
+        error = h.get("error") or None
+        try:
+            request = JobRequest.model_validate_json(h.get("request") or "")
+        except ValidationError as e:
+            # A stored record always reads back: a request that does not parse (written by an
+            # older version or a Redis-side client) is shown as a placeholder with the reason.
+            request = UNPARSABLE_REQUEST
+            error = error or f"invalid stored request: {short_validation_error(e)}"
+        return JobRecord(
+            id=h["id"],
+            status=JobStatus(h["status"]),
+            request=request,
+            priority=h.get("priority", "interactive"),  # type: ignore[arg-type]
+            created_at=float(h["created_at"]),
+            started_at=opt_float("started_at"),
+            first_token_at=opt_float("first_token_at"),
+            finished_at=opt_float("finished_at"),
+            tokens_generated=int(h.get("tokens_generated", 0)),
+            worker=h.get("worker") or None,
+            deliveries=int(h.get("deliveries", 0)),
+            result=JobResult.model_validate_json(h["result"]) if h.get("result") else None,
+            error=error,
+            tenant=h.get("tenant") or None,
+        )

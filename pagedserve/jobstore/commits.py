@@ -1,0 +1,165 @@
+"""The worker side of the job store, writing results: per-step fenced progress and final writes
+in one round trip, release (hand back), and the drain of a worker's cancel set.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Sequence
+
+from pagedserve import openai_format
+from pagedserve.jobstore.base import Call, StoreBase
+from pagedserve.jobstore.records import (
+    BatchRef,
+    Finish,
+    Lease,
+    LineAdd,
+    Progress,
+    StepResult,
+    WriteError,
+    batch_line,
+)
+from pagedserve.keys import GROUP
+from pagedserve.schemas import (
+    JobResult,
+    JobStatus,
+)
+
+log = logging.getLogger("pagedserve.store")
+
+
+class Commits(StoreBase):
+    """Fenced writes of leased jobs (what workers call each engine step)."""
+
+    def _finish_call(self, fin: Finish) -> Call:
+        """The fenced final write; a batch job's line (built here) goes with it."""
+        lease = fin.lease
+        if fin.status == "succeeded" and fin.result is None:
+            raise ValueError("a succeeded job needs a result")
+        result = fin.result.model_dump_json(exclude_none=True) if fin.result is not None else ""
+        tokens = str(fin.result.completion_tokens) if fin.result is not None else ""
+        error = fin.error or ("failed" if fin.status == "failed" else "")
+        keys = [
+            self.keys.job(lease.job_id),
+            self.keys.stream(lease.priority),
+            self.keys.events(lease.job_id),
+        ]
+        args = [
+            lease.fence,
+            GROUP,
+            fin.status,
+            result,
+            error,
+            tokens,
+            self.retention_s,
+            self.events_maxlen,
+        ]
+        ref = lease.batch
+        if ref is not None:
+            ok, line = batch_line(ref, lease.job_id, fin.status, fin.result, fin.error)
+            bid = ref.batch_id
+            keys += [
+                self.keys.batch(bid),
+                self.keys.batch_members(bid),
+                self.keys.batch_counted(bid),
+                self.keys.batch_output(bid) if ok else self.keys.batch_errors(bid),
+            ]
+            args += [lease.job_id, bid, line, "completed" if ok else "failed"]
+        return ("finish", keys, args)
+
+    def _progress_call(self, p: Progress) -> Call:
+        lease = p.lease
+        keys = [self.keys.job(lease.job_id), self.keys.events(lease.job_id)]
+        args = [
+            lease.fence,
+            p.tokens_generated,
+            p.index,
+            p.delta_text,
+            json.dumps(list(p.delta_token_ids), separators=(",", ":")),
+            self.events_maxlen,
+        ]
+        return ("progress", keys, args)
+
+    def commit_step(
+        self,
+        consumer: str | None = None,
+        progress: Iterable[Progress] = (),
+        finished: Iterable[Finish] = (),
+    ) -> StepResult:
+        """One round trip per engine step: all progress updates, all final writes, and (with
+        ``consumer``) the drain of that worker's cancel set. Refused writes (lease lost) are
+        reported in :attr:`StepResult.lost`, each job once."""
+        calls: list[Call] = []
+        ids: list[tuple[str, Finish | None]] = []
+        for p in progress:
+            calls.append(self._progress_call(p))
+            ids.append((p.lease.job_id, None))
+        for f in finished:
+            calls.append(self._finish_call(f))
+            ids.append((f.lease.job_id, f))
+        if consumer is not None:
+            calls.append(("pop_cancels", [self.keys.cancel(consumer)], []))
+        replies = self._exec(calls, raise_errors=False)
+        out = StepResult()
+        for (jid, fin), reply in zip(ids, replies, strict=False):
+            if isinstance(reply, Exception):
+                log.warning("write for job %s failed: %s", jid, reply)
+                out.errors.append(WriteError(jid, str(reply), fin))
+                continue
+            ok = reply[0] if isinstance(reply, list) else reply
+            if not ok and jid not in out.lost:
+                out.lost.append(jid)
+                log.warning("write for job %s refused: lease lost", jid)
+        if consumer is not None:
+            if isinstance(replies[-1], Exception):
+                raise replies[-1]
+            out.cancels = set(replies[-1][0] or ())
+        return out
+
+    def progress(
+        self,
+        lease: Lease,
+        tokens_generated: int,
+        delta_text: str = "",
+        delta_token_ids: Sequence[int] = (),
+        index: int = 0,
+    ) -> bool:
+        """Fenced progress of one job; ``False`` when the lease is lost."""
+        p = Progress(lease, tokens_generated, delta_text, delta_token_ids, index)
+        return not self.commit_step(progress=[p]).lost
+
+    def complete(self, lease: Lease, result: JobResult) -> bool:
+        """Fenced final write of a succeeded job; ``False`` (refused) if the lease is lost."""
+        return not self.commit_step(finished=[Finish(lease, "succeeded", result=result)]).lost
+
+    def fail(self, lease: Lease, reason: str) -> bool:
+        """Fenced final write of a failed job; ``False`` if the lease is lost."""
+        return not self.commit_step(finished=[Finish(lease, "failed", error=reason)]).lost
+
+    def finish_cancelled(self, lease: Lease, result: JobResult | None = None) -> bool:
+        """Fenced write of a cancelled job (after a cancel request), with any partial result."""
+        return not self.commit_step(finished=[Finish(lease, "cancelled", result=result)]).lost
+
+    def release(self, lease: Lease) -> JobStatus | None:
+        """Hand a running job back to the queue (e.g. when draining on SIGTERM). Returns the new
+        status (queued, or cancelled if a cancel was pending), or ``None`` if the lease is lost."""
+        keys = [
+            self.keys.job(lease.job_id),
+            self.keys.stream(lease.priority),
+            self.keys.events(lease.job_id),
+        ]
+        args = [lease.fence, GROUP, lease.job_id, self.retention_s, self.events_maxlen]
+        out, *fields = self._exec([("release", keys, args)])[0]
+        ref = BatchRef.from_fields(fields)
+        if out == "cancelled" and ref is not None:
+            msg = "cancelled before it finished"
+            ok, line = batch_line(
+                ref, lease.job_id, "cancelled", error=msg, code=openai_format.BATCH_CANCELLED
+            )
+            self.add_batch_lines([LineAdd(lease.job_id, ref, ok, line)])
+        return JobStatus(out) if out in ("queued", "cancelled") else None
+
+    def pop_cancels(self, consumer: str) -> set[str]:
+        """Drain the job ids clients asked this worker to cancel."""
+        return self.commit_step(consumer=consumer).cancels

@@ -1,0 +1,251 @@
+"""The worker side of the job store, taking work: claim (stash, own pending entries, new
+entries, interactive first), reclaim (XAUTOCLAIM of dead workers' entries), lease, renew.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import ValidationError
+
+from pagedserve import openai_format
+from pagedserve.jobstore.base import Call, StoreBase
+from pagedserve.jobstore.records import (
+    BatchRef,
+    Entry,
+    Lease,
+    LineAdd,
+    batch_line,
+    flatten_entries,
+    job_of,
+)
+from pagedserve.keys import GROUP, PRIORITIES
+from pagedserve.schemas import (
+    UNPARSABLE_REQUEST,
+    JobRequest,
+    short_validation_error,
+)
+
+log = logging.getLogger("pagedserve.store")
+
+
+class Leasing(StoreBase):
+    """Claim, reclaim and renew leases (what workers call to take and keep work)."""
+
+    def claim(self, consumer: str, max_jobs: int, block_ms: int = 0) -> list[Lease]:
+        """Lease up to ``max_jobs`` jobs (the caller's free capacity: the queue is the
+        backpressure). Order: entries stashed from an earlier blocking read, this consumer's own
+        pending entries (left by a previous process with the same name), then new entries,
+        interactive before bulk. With ``block_ms`` and nothing found, waits that long for work."""
+        if max_jobs <= 0:
+            return []
+        self.ensure_groups()
+        entries = self._take_stash(consumer, max_jobs)
+        entries += self._own_pending(consumer, max_jobs - len(entries))
+        for prio in PRIORITIES:
+            want = max_jobs - len(entries)
+            if want <= 0:
+                break
+            reply = self.r.xreadgroup(GROUP, consumer, {self.keys.stream(prio): ">"}, count=want)
+            entries += flatten_entries(reply)
+        if not entries and block_ms > 0:
+            # COUNT applies per stream, so this may deliver one entry more than asked for: the
+            # extra one stays in our pending list and is leased first next time.
+            streams = {self.keys.stream(p): ">" for p in PRIORITIES}
+            reply = self.r.xreadgroup(GROUP, consumer, streams, count=1, block=block_ms)
+            got = flatten_entries(reply)
+            entries, extra = got[:max_jobs], got[max_jobs:]
+            if extra:
+                self._stash.setdefault(consumer, []).extend(extra)
+        return self._lease_entries(consumer, entries)
+
+    def reclaim(self, consumer: str, min_idle_ms: int, max_jobs: int) -> list[Lease]:
+        """Take over up to ``max_jobs`` entries idle for ``min_idle_ms`` (their worker stopped
+        renewing: presumed dead) with XAUTOCLAIM, interactive first, and lease them."""
+        if max_jobs <= 0:
+            return []
+        self.ensure_groups()
+        entries: list[Entry] = []
+        for prio in PRIORITIES:
+            stream = self.keys.stream(prio)
+            start = self._autoclaim_cursor.get(stream, "0-0")
+            while len(entries) < max_jobs:
+                reply = self.r.xautoclaim(
+                    stream,
+                    GROUP,
+                    consumer,
+                    min_idle_ms,
+                    start_id=start,
+                    count=max_jobs - len(entries),
+                )
+                start = reply[0]
+                entries += [(stream, eid, job_of(fields)) for eid, fields in reply[1]]
+                if start == "0-0":
+                    break
+            self._autoclaim_cursor[stream] = start
+        return self._lease_entries(consumer, entries)
+
+    def _take_stash(self, consumer: str, n: int) -> list[Entry]:
+        stash = self._stash.get(consumer)
+        if not stash or n <= 0:
+            return []
+        taken, self._stash[consumer] = stash[:n], stash[n:]
+        return taken
+
+    def _own_pending(self, consumer: str, n: int) -> list[Entry]:
+        """This consumer's pending entries, read once after a (re)start of this store object:
+        afterwards they are jobs this process itself runs."""
+        out: list[Entry] = []
+        for prio in PRIORITIES:
+            stream = self.keys.stream(prio)
+            cursor = self._pending_cursor.get((consumer, stream), "0")
+            while cursor is not None and len(out) < n:
+                reply = self.r.xreadgroup(GROUP, consumer, {stream: cursor}, count=n - len(out))
+                got = flatten_entries(reply)
+                if not got:
+                    cursor = None
+                    break
+                out += got
+                cursor = got[-1][1]
+            self._pending_cursor[(consumer, stream)] = cursor
+        return out
+
+    def _lease_entries(self, consumer: str, entries: Sequence[Entry]) -> list[Lease]:
+        """Run the lease script on every entry in one pipelined round trip."""
+        calls: list[Call] = []
+        live: list[Entry] = []
+        for stream, eid, job_id in entries:
+            if job_id is None:  # the entry's content was deleted: nothing to run
+                self.r.xack(stream, GROUP, eid)
+                continue
+            live.append((stream, eid, job_id))
+            keys = [self.keys.job(job_id), stream, self.keys.dead, self.keys.events(job_id)]
+            args = [
+                consumer,
+                GROUP,
+                eid,
+                self.lease_ms,
+                self.max_deliveries,
+                self.retention_s,
+                self.events_maxlen,
+            ]
+            calls.append(("lease", keys, args))
+        leases: list[Lease] = []
+        adds: list[LineAdd] = []
+        replies = self._exec(calls, raise_errors=False)
+        for (stream, eid, job_id), reply in zip(live, replies, strict=True):
+            assert job_id is not None
+            if isinstance(reply, Exception):
+                self._dead_letter_unreadable(stream, eid, job_id, reply)
+                continue
+            kind = reply[0]
+            if kind in ("dead", "skip"):
+                self._count_unrun(job_id, reply, adds)
+                continue
+            lease = self._lease_of(consumer, stream, eid, job_id, reply)
+            if lease is not None:
+                leases.append(lease)
+        if adds:
+            self.add_batch_lines(adds)
+        return leases
+
+    def _count_unrun(self, job_id: str, reply: Sequence[Any], adds: list[LineAdd]) -> None:
+        """A job that ended at claim (dead-lettered, or cancelled while its owner was gone):
+        count it, and queue its batch line."""
+        kind, why, *fields = reply
+        if kind == "dead":
+            self.stats.dead_lettered += 1
+            log.warning("job %s dead-lettered: %s", job_id, why)
+        else:
+            self.stats.skipped += 1
+        ref = BatchRef.from_fields(fields)
+        if ref is None or (kind == "skip" and why != "cancelled"):
+            return
+        if kind == "dead":
+            ok, line = batch_line(
+                ref, job_id, "failed", error=why, code=openai_format.DEAD_LETTERED
+            )
+        else:
+            msg = "cancelled before it finished"
+            ok, line = batch_line(
+                ref, job_id, "cancelled", error=msg, code=openai_format.BATCH_CANCELLED
+            )
+        adds.append(LineAdd(job_id, ref, ok, line))
+
+    def _lease_of(
+        self, consumer: str, stream: str, eid: str, job_id: str, reply: Sequence[Any]
+    ) -> Lease | None:
+        """The lease of an 'ok' reply; ``None`` (handed over in :attr:`malformed`) when the
+        stored request does not parse."""
+        reason = None
+        try:
+            request = JobRequest.model_validate_json(reply[2] or "")
+        except ValidationError as e:
+            request, reason = UNPARSABLE_REQUEST, short_validation_error(e)
+        lease = Lease(
+            job_id=job_id,
+            fence=int(reply[1]),
+            consumer=consumer,
+            priority=stream.rsplit(":", 1)[1],  # type: ignore[arg-type]
+            entry_id=eid,
+            request=request,
+            deliveries=int(reply[3]),
+            batch=BatchRef.from_fields(reply[4:]),
+        )
+        if reason is not None:
+            # Leased (so owned and fenced) but handed over apart, to be failed at once.
+            self.malformed.append((lease, f"invalid request: {reason}"))
+            return None
+        return lease
+
+    def _dead_letter_unreadable(self, stream: str, eid: str, job_id: str, err: Exception) -> None:
+        """An entry whose lease script failed (its job key is not a job record): nothing can
+        run or fail it, so it goes to the dead-letter stream with the reason, and is acked."""
+        reason = f"unreadable job record: {err}"
+        log.warning("job %s dead-lettered: %s", job_id, reason)
+        self.stats.dead_lettered += 1
+        pipe = self.r.pipeline(transaction=True)
+        pipe.xadd(self.keys.dead, {"job": job_id, "stream": stream, "entry": eid,
+                                   "reason": reason})  # fmt: skip
+        pipe.xack(stream, GROUP, eid)
+        pipe.execute()
+
+    def take_malformed(self) -> list[tuple[Lease, str]]:
+        """Leases whose stored request does not parse, with the reason (cleared on read)."""
+        out, self.malformed = self.malformed, []
+        return out
+
+    def own_pending_read(self, consumer: str) -> bool:
+        """Whether claims have re-read every pending entry ``consumer`` left from an earlier run.
+
+        Until then a worker must not reclaim: XAUTOCLAIM would hand it those same entries, and
+        the pending re-read would then lease them a second time.
+        """
+        return all(
+            self._pending_cursor.get((consumer, self.keys.stream(p)), "0") is None
+            for p in PRIORITIES
+        )
+
+    def renew(self, leases: Sequence[Lease]) -> list[str]:
+        """Extend every lease in one round trip (and reset their entries' idle time so no other
+        worker reclaims them). Returns the ids of jobs whose lease was lost: the worker must drop
+        them without writing anything more."""
+        if not leases:
+            return []
+        by_consumer: dict[str, list[Lease]] = {}
+        for lease in leases:
+            by_consumer.setdefault(lease.consumer, []).append(lease)
+        calls: list[Call] = []
+        groups = list(by_consumer.values())
+        for group in groups:
+            keys = [self.keys.job(x.job_id) for x in group]
+            keys += [self.keys.stream(x.priority) for x in group]
+            args: list[Any] = [group[0].consumer, GROUP, self.lease_ms]
+            args += [x.fence for x in group] + [x.entry_id for x in group]
+            calls.append(("renew", keys, args))
+        lost: list[str] = []
+        for group, flags in zip(groups, self._exec(calls), strict=True):
+            lost += [x.job_id for x, ok in zip(group, flags, strict=True) if not ok]
+        return lost

@@ -1,0 +1,60 @@
+"""Workers and queues as the job store sees them: heartbeats, live workers, queue lengths,
+dead letters.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pagedserve.jobstore.base import StoreBase
+from pagedserve.keys import GROUP, PRIORITIES
+
+
+class WorkerRegistry(StoreBase):
+    """Worker heartbeats and queue introspection (for the API's status and metrics)."""
+
+    def heartbeat(self, worker_id: str, info: dict[str, Any], ttl_s: int = 30) -> None:
+        """Publish a worker's liveness and stats (JSON values) with a TTL."""
+        key = self.keys.worker(worker_id)
+        fields = {k: json.dumps(v) for k, v in info.items()}
+        t = self.r.time()
+        pipe = self.r.pipeline(transaction=True)
+        pipe.delete(key)
+        if fields:
+            pipe.hset(key, mapping=fields)
+        pipe.hset(key, "last_seen", json.dumps(t[0] + t[1] / 1e6))
+        pipe.expire(key, ttl_s)
+        pipe.zadd(self.keys.workers, {worker_id: t[0]})
+        pipe.execute()
+
+    def workers(self) -> dict[str, dict[str, Any]]:
+        """Live workers (heartbeat key not expired) and their last published info."""
+        ids = self.r.zrange(self.keys.workers, 0, -1)
+        pipe = self.r.pipeline(transaction=False)
+        for wid in ids:
+            pipe.hgetall(self.keys.worker(wid))
+        out: dict[str, dict[str, Any]] = {}
+        stale: list[str] = []
+        for wid, h in zip(ids, pipe.execute(), strict=True):
+            if h:
+                out[wid] = {k: json.loads(v) for k, v in h.items()}
+            else:
+                stale.append(wid)
+        if stale:
+            self.r.zrem(self.keys.workers, *stale)
+        return out
+
+    def queue_lengths(self) -> dict[str, int]:
+        """Entries not yet delivered to any worker, per priority (the group's lag)."""
+        self.ensure_groups()
+        out: dict[str, int] = {}
+        for prio in PRIORITIES:
+            groups = self.r.xinfo_groups(self.keys.stream(prio))
+            g = next((g for g in groups if g["name"] == GROUP), None)
+            lag = g.get("lag") if g else None
+            out[prio] = int(lag) if lag is not None else self.r.xlen(self.keys.stream(prio))
+        return out
+
+    def dead_letters(self, count: int = 100) -> list[dict[str, str]]:
+        return [dict(fields, id=eid) for eid, fields in self.r.xrange(self.keys.dead, count=count)]
