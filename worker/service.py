@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from pagedserve.keys import PREFIX_ENV
 from pagedserve.store import Finish, JobStore, Lease, Progress, WriteError
 from pagedserve.telemetry import WorkerHeartbeat
 from worker.job_state import JobState, partial_result, result_of
@@ -42,7 +43,6 @@ from worker.outputs import RequestOutput, RequestRejected
 from worker.pretokenize import Pretokenizer
 from worker.redis_guard import REDIS_DOWN, RedisDown, RedisGuard
 from worker.service_config import (
-    PREFIX_ENV,
     ServiceConfig,
     engine_config,
     parse_args,
