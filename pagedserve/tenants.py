@@ -13,7 +13,8 @@ with the ``tenant`` field, :data:`TAG_JOB`), or reserved just before that by the
 (:data:`ADMIT_JOB`). Nothing in the workers' Lua end paths has to know about tenants: removal is a
 *prune* by job status, done (a) by two random samples at every tagged enqueue, which keeps the set
 within about twice the number of open jobs, and (b) fully, throttled to once per
-:data:`PRUNE_EVERY_MS` per tenant, before a limit is enforced and at every metrics scrape. An id is
+:data:`PRUNE_EVERY_MS` per tenant, before a limit is enforced, and unthrottled for the usage
+view (metrics, ``/v1/tenants``: ``jobs_finished`` is exact once jobs have ended). An id is
 removed once its record says it ended, and only then (the one ``SREM`` that succeeds) are its
 generated tokens added to ``stats``, so each job is counted exactly once whoever removes it. An id
 without a record is removed uncounted: expired before any prune saw it end, or reserved and not yet
@@ -235,8 +236,10 @@ class TenantBook:
         return sorted(self.r.smembers(self.index))
 
     def usage(self, tenant: str, file_key_prefix: str) -> TenantUsage:
-        """Counts of one tenant (prunes its open set first, throttled)."""
-        self.open_jobs(tenant)
+        """Counts of one tenant. Prunes its open set first, unthrottled: an ended job still in
+        the set is neither queued nor running, so a skipped prune would leave it out of
+        ``jobs_finished`` (the prune costs about what the status reads below cost anyway)."""
+        self.open_jobs(tenant, force=True)
         ids = sorted(self.r.smembers(self.open_key(tenant)))
         pipe = self.r.pipeline(transaction=False)
         for jid in ids:

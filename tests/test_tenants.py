@@ -403,3 +403,31 @@ def test_limits_and_keys_file_from_the_environment(
         Principal("team-b"),
         Principal("default"),
     ]
+
+
+def test_enqueue_resent_after_a_partial_noscript_still_counts_the_job(redis_url: str) -> None:
+    """A MULTI whose enqueue ran but whose tag got NOSCRIPT (another client's SCRIPT LOAD half
+    done) is resent: the enqueue then answers "not created" with our own id. The reservation is
+    that job's own entry in the open set and must stay, or the job ends uncounted."""
+    client = make_app(redis_url, api_keys=KEYS, tenant_max_queued=10).test_client()
+    store = JobStore(redis_url)
+    store.r.script_flush()
+    store.r.script_load(store._scripts["enqueue"].script)  # the cache half loaded
+    jid = submit(client, A, {"prompt": "x", "idempotency_key": "k1"})
+    rec = store.get(jid)
+    assert rec is not None and rec.tenant == "team-a"
+    assert store.tenants.open_jobs("team-a", force=True) == 1
+    client.delete(f"/v1/jobs/{jid}", headers=A)
+    assert store.tenants.usage("team-a", "ps:file:").jobs_finished == 1
+
+
+def test_usage_counts_ended_jobs_within_the_prune_throttle(redis_url: str) -> None:
+    """The usage view prunes unthrottled: a job that ended just after another read is counted."""
+    c = Client(redis_url, tenant="team-a")
+    book = TenantBook(c.r, c.keys)
+    ids = [c.submit("x") for _ in range(3)]
+    assert book.usage("team-a", "ps:file:").queued == 3  # sets the prune throttle
+    for jid in ids:
+        c.cancel(jid)
+    u = book.usage("team-a", "ps:file:")  # within PRUNE_EVERY_MS of the first read
+    assert (u.queued, u.running, u.jobs_finished) == (0, 0, 3)
