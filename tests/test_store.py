@@ -283,3 +283,16 @@ def test_fixture_server_is_private(redis_url: str) -> None:
     client = connect(redis_url)
     assert client.config_get("port")["port"] == "0"
     assert client.dbsize() == 0
+
+
+def test_half_loaded_script_cache_runs_no_call_twice(store: JobStore) -> None:
+    """After a SCRIPT FLUSH and a half-done reload (only the enqueue script cached), a pipeline
+    whose enqueue ran and whose tenant tag got NOSCRIPT resends only the tag: the job is queued
+    once (one stream entry), reported created, and tagged."""
+    store.r.script_flush()
+    store.r.script_load(store._scripts["enqueue"].script)
+    jid, created = store.enqueue("half-1", req(), tenant="team-a")
+    assert (jid, created) == ("half-1", True)
+    assert store.r.xlen(store.keys.stream("interactive")) == 1
+    rec = store.get("half-1")
+    assert rec is not None and rec.tenant == "team-a"

@@ -76,8 +76,9 @@ class StoreBase:
         return self._scripts[name]
 
     def load_scripts(self) -> None:
-        """SCRIPT LOAD every script (after a server restart flushed the script cache)."""
-        pipe = self.r.pipeline(transaction=False)
+        """SCRIPT LOAD every script (after a server restart flushed the script cache), in one
+        MULTI so that no other client sees the cache half loaded."""
+        pipe = self.r.pipeline(transaction=True)
         for sc in self._scripts.values():
             pipe.script_load(sc.script)
         pipe.execute()
@@ -88,28 +89,32 @@ class StoreBase:
         """Run script calls as EVALSHA in one pipeline (MULTI/EXEC with ``transaction``): one
         round trip.
 
-        A NOSCRIPT error (empty script cache after a Redis restart) fails every call of the
-        pipeline the same way, so loading the scripts and resending it once is safe. With
+        A call that got NOSCRIPT (an empty or half-loaded script cache after a Redis restart or
+        a SCRIPT FLUSH) did nothing, while the other calls of the pipeline ran: after loading the
+        scripts, only the calls that got NOSCRIPT are sent again, so no call runs twice. With
         ``raise_errors=False`` a call's error is returned in its place (the others still count),
         except transient ones (:data:`TRANSIENT_REPLY_ERRORS`), which are raised.
         """
-        if not calls:
-            return []
-        for attempt in (0, 1):
-            pipe = self.r.pipeline(transaction=transaction)
-            for name, keys, args in calls:
-                pipe.evalsha(self._scripts[name].sha, len(keys), *keys, *args)
-            replies = pipe.execute(raise_on_error=False)
-            if attempt == 0 and any(isinstance(x, redis.exceptions.NoScriptError) for x in replies):
-                self.load_scripts()
-                continue
-            for x in replies:
-                if isinstance(x, Exception) and (
-                    raise_errors or isinstance(x, TRANSIENT_REPLY_ERRORS)
-                ):
-                    raise x
-            return replies
-        raise AssertionError("unreachable")
+        replies = self._send(calls, transaction) if calls else []
+        missing = [
+            i for i, x in enumerate(replies) if isinstance(x, redis.exceptions.NoScriptError)
+        ]
+        if missing:
+            self.load_scripts()
+            for i, x in zip(
+                missing, self._send([calls[i] for i in missing], transaction), strict=True
+            ):
+                replies[i] = x
+        for x in replies:
+            if isinstance(x, Exception) and (raise_errors or isinstance(x, TRANSIENT_REPLY_ERRORS)):
+                raise x
+        return replies
+
+    def _send(self, calls: Sequence[Call], transaction: bool) -> list[Any]:
+        pipe = self.r.pipeline(transaction=transaction)
+        for name, keys, args in calls:
+            pipe.evalsha(self._scripts[name].sha, len(keys), *keys, *args)
+        return list(pipe.execute(raise_on_error=False))
 
     def add_batch_lines(self, adds: Sequence[LineAdd]) -> int:
         """Add batch lines of jobs that ended without their worker's final write (one round
