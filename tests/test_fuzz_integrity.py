@@ -23,7 +23,7 @@ from pagedserve.schemas import JobStatus
 from pagedserve.store import JobStore
 from tests.api_fixtures import make_app
 from tests.fixtures.workers import StartWorker, wait_for
-from tests.test_integrity import inject
+from tests.raw_records import inject
 from tests.test_service_integrity import batch_file
 
 CIDS = [f"r{i}" for i in range(4)]

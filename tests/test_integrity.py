@@ -20,6 +20,7 @@ from pagedserve.openai_format import COMPLETIONS_URL, parse_file
 from pagedserve.schemas import Completion, JobRequest, JobResult
 from pagedserve.store import Finish, JobStore
 from tests.api_fixtures import make_app
+from tests.raw_records import inject
 
 MODEL = "tiny"
 
@@ -53,20 +54,6 @@ def counts(bs: BatchStore, bid: str) -> dict[str, int]:
 def file_lines(bs: BatchStore, file_id: str | None) -> list[dict[str, Any]]:
     text = bs.files.content(file_id) if file_id else ""
     return [json.loads(x) for x in (text or "").split("\n") if x]
-
-
-def inject(store: JobStore, raw_request: str) -> str:
-    """Queue a job whose stored request is ``raw_request`` (a pre-upgrade or tampered record:
-    what a client could once store through ``metadata``)."""
-    jid = new_job_id()
-    keys, args = store.enqueue_args(jid, JobRequest(prompt=[1]))
-    store.ensure_groups()
-    store.load_scripts()
-    pipe = store.r.pipeline(transaction=True)
-    pipe.evalsha(store.script("enqueue").sha, len(keys), *keys, *args)
-    pipe.hset(store.keys.job(jid), "request", raw_request)
-    pipe.execute()
-    return jid
 
 
 # ----------------------------------------------------------------------------- reserved names

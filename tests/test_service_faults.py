@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.client import Client, new_job_id
-from pagedserve.schemas import JobRecord, JobRequest, JobStatus
-from pagedserve.store import JobStore
+from pagedserve.client import Client
+from pagedserve.schemas import JobRecord, JobStatus
 from tests.fixtures.redis_server import RedisFactory
 from tests.fixtures.workers import (
     StartWorker,
     wait_for,
 )
+from tests.raw_records import inject
 
 SHORT = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
 LONG = {"max_tokens": 1900, "temperature": 0, "ignore_eos": True}
@@ -162,19 +162,6 @@ def test_poison_job_is_dead_lettered(
     assert [d["job"] for d in dead] == [jid]
     nxt = client.submit("the next job", SHORT)
     assert client.wait(nxt, timeout=30).status == JobStatus.SUCCEEDED
-
-
-def inject(store: JobStore, raw: str) -> str:
-    """Queue a job whose stored request is ``raw`` (as if written by a broken or old client)."""
-    jid = new_job_id()
-    keys, args = store.enqueue_args(jid, JobRequest(prompt=[1]))
-    store.ensure_groups()
-    store.load_scripts()
-    pipe = store.r.pipeline(transaction=True)
-    pipe.evalsha(store.script("enqueue").sha, len(keys), *keys, *args)
-    pipe.hset(store.keys.job(jid), "request", raw)
-    pipe.execute()
-    return jid
 
 
 def req(**fields: object) -> str:

@@ -16,7 +16,7 @@ from pagedserve.openai_format import COMPLETIONS_URL
 from pagedserve.schemas import DeltaEvent, JobRequest, JobStatus
 from pagedserve.store import JobStore
 from tests.fixtures.workers import StartWorker, wait_for
-from tests.test_integrity import inject
+from tests.raw_records import inject
 
 SHORT = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
 
