@@ -142,10 +142,8 @@ def submit() -> tuple[dict[str, Any], int, dict[str, str]]:
     new_id = new_job_id()
     reserved = _reserve(state, tenant, new_id)
     job_id, created = store.enqueue(new_id, tenant_request(req, tenant), tenant=tenant)
-    # An idempotent repeat: the reservation is not needed. "Not created" with our own id is a
-    # resent enqueue (the store's NOSCRIPT retry after a half-run MULTI): the job is ours and the
-    # reservation is its entry in the open set, to be counted when it ends.
-    if reserved and not created and job_id != new_id:
+    # An idempotent repeat (another job's id came back): the reservation is not needed.
+    if reserved and job_id != new_id:
         store.tenants.unreserve(tenant or "", new_id)
     status = store.status(job_id)
     body = {"id": job_id, "object": "job", "status": status.value, "created": created}

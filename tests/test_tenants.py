@@ -407,8 +407,8 @@ def test_limits_and_keys_file_from_the_environment(
 
 def test_enqueue_resent_after_a_partial_noscript_still_counts_the_job(redis_url: str) -> None:
     """A MULTI whose enqueue ran but whose tag got NOSCRIPT (another client's SCRIPT LOAD half
-    done) is resent: the enqueue then answers "not created" with our own id. The reservation is
-    that job's own entry in the open set and must stay, or the job ends uncounted."""
+    done): only the tag is resent, the job is created once, and the API's reservation stays as
+    that job's entry in the open set (dropping it would leave the job uncounted when it ends)."""
     client = make_app(redis_url, api_keys=KEYS, tenant_max_queued=10).test_client()
     store = JobStore(redis_url)
     store.r.script_flush()
