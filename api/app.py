@@ -40,7 +40,16 @@ def create_app(config: ApiConfig | Mapping[str, Any] | None = None) -> Flask:
 
 
 def _register_blueprints(app: Flask) -> None:
-    from api import dashboard, jobs, metrics, openai_batches, openapi, status
+    from api import (
+        dashboard,
+        jobs,
+        metrics,
+        models_route,
+        openai_batches,
+        openai_online,
+        openapi,
+        status,
+    )
 
     for bp in (
         status.health,
@@ -50,5 +59,7 @@ def _register_blueprints(app: Flask) -> None:
         openapi.bp,
         dashboard.bp,
         openai_batches.bp,
+        openai_online.bp,
+        models_route.bp,
     ):
         app.register_blueprint(bp)

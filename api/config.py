@@ -58,6 +58,17 @@ class ApiConfig:
     sse_max_s: float = 3600.0
     #: Blocking read slice of the events stream; a keep-alive comment is sent after each empty one.
     sse_block_ms: int = 1000
+    #: Online requests (``/v1/completions``, ``/v1/chat/completions``) one API process serves at
+    #: once ("seats"): each holds a server thread while it waits or streams, so this stays below
+    #: the thread count and status endpoints always find a thread (``pagedserve api`` sets it to
+    #: ``--threads`` minus :data:`api.server.STATUS_THREADS`).
+    online_seats: int = 60
+    #: How long an online request waits for a seat before a 429 with ``Retry-After``.
+    online_seat_wait_s: float = 2.0
+    #: ``Retry-After`` (seconds) of that 429.
+    online_retry_after_s: int = 1
+    #: Longest an online request waits for its job to end; then the job is cancelled (504).
+    online_timeout_s: float = 600.0
 
     @classmethod
     def from_env(cls, **overrides: Any) -> ApiConfig:

@@ -133,11 +133,25 @@ def _http_error(e: HTTPException) -> Response:
     return error_response(status, message, headers=headers)
 
 
+def count_rejected(code: str) -> None:
+    """Count a 429 by code in Redis (``pagedserve:api_rejected_requests`` in ``/metrics``, summed
+    over every API process); a Redis error here only loses the count."""
+    from api.state import get_state
+
+    state = get_state()
+    try:
+        state.r.hincrby(state.store.keys.api_rejected, code, 1)
+    except redis.RedisError as exc:
+        log.warning("could not count a 429: %s", exc)
+
+
 def register(app: Flask) -> None:
     """Install the handlers that turn every error into the JSON shape."""
 
     @app.errorhandler(ApiError)
     def _api_error(e: ApiError) -> Response:
+        if e.status == 429:
+            count_rejected(e.code)
         return error_response(e.status, e.message, e.code, e.param, e.headers)
 
     @app.errorhandler(ValidationError)

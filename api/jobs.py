@@ -129,14 +129,14 @@ def _reserve(state: AppState, tenant: str | None, job_id: str) -> bool:
     return True
 
 
-@bp.post("/v1/jobs")
-def submit() -> tuple[dict[str, Any], int, dict[str, str]]:
-    req = JobRequest.model_validate(json_body(request))
+def enqueue_checked(state: AppState, req: JobRequest) -> tuple[str, bool]:
+    """The one enqueue path of the API (``POST /v1/jobs`` and the online endpoints): reserved
+    names refused, the context checked, the tenant's open-job limit applied (429), the job
+    written with the caller's tenant. Returns ``(job_id, created)``."""
     try:
         check_client_request(req)  # before the tenant's prefix goes on its idempotency key
     except ValueError as e:  # a reserved name
         raise ApiError(400, str(e), "reserved_name") from None
-    state = get_state()
     check_context(state, req)
     store, tenant = state.store, auth.owned_tenant()
     new_id = new_job_id()
@@ -145,7 +145,15 @@ def submit() -> tuple[dict[str, Any], int, dict[str, str]]:
     # An idempotent repeat (another job's id came back): the reservation is not needed.
     if reserved and job_id != new_id:
         store.tenants.unreserve(tenant or "", new_id)
-    status = store.status(job_id)
+    return job_id, created
+
+
+@bp.post("/v1/jobs")
+def submit() -> tuple[dict[str, Any], int, dict[str, str]]:
+    req = JobRequest.model_validate(json_body(request))
+    state = get_state()
+    job_id, created = enqueue_checked(state, req)
+    status = state.store.status(job_id)
     body = {"id": job_id, "object": "job", "status": status.value, "created": created}
     return body, 202, {"Location": url_for("jobs.get_job", job_id=job_id)}
 

@@ -106,6 +106,16 @@ def child_restarts(state: AppState) -> CounterMetricFamily:
     return fam
 
 
+def rejected(state: AppState) -> CounterMetricFamily:
+    """429 answers of every API process, by error code (tenant limit, no online seat...)."""
+    fam = CounterMetricFamily(
+        P + "api_rejected_requests", "Requests the API answered with 429.", labels=["code"]
+    )
+    for code, n in sorted(state.r.hgetall(state.store.keys.api_rejected).items()):
+        fam.add_metric([str(code)], float(n))
+    return fam
+
+
 def tenant_series(usage: list[TenantUsage]) -> Iterator[Metric]:
     """Per-tenant series, labelled ``tenant``."""
 
@@ -152,6 +162,7 @@ class PagedServeCollector:
         yield histogram("e2e_request_latency_seconds", "End-to-end job latency in seconds.",
                         views, "e2e_request_latency_seconds")  # fmt: skip
         yield child_restarts(self.state)
+        yield rejected(self.state)
 
 
 def render(state: AppState, usage: list[TenantUsage] | None = None) -> bytes:

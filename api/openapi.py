@@ -154,7 +154,34 @@ def paths() -> dict[str, Any]:
             "parameters": ID,
             "post": _op("Cancel a batch", {"200": _json(_ref("Batch"))}),
         },
+        **online_paths(),
         "/openapi.json": {"get": _op("This document", {"200": _json(OBJ)})},
+    }
+
+
+def online_paths() -> dict[str, Any]:
+    """OpenAI's online endpoints (``api.openai_online``, ``api.models_route``)."""
+    answer = {
+        "description": "The completion, or with stream: true server-sent chunks",
+        "content": {"application/json": {"schema": OBJ}, "text/event-stream": {"schema": OBJ}},
+    }
+    return {
+        "/v1/chat/completions": {
+            "post": _op(
+                "OpenAI chat completion (queued as an interactive job)",
+                {"200": answer},
+                requestBody=_body(OBJ),
+            )
+        },
+        "/v1/completions": {
+            "post": _op(
+                "OpenAI completion (queued as an interactive job)",
+                {"200": answer},
+                requestBody=_body(OBJ),
+            )
+        },
+        "/v1/models": {"get": _op("Models live workers serve", {"200": _json(OBJ)})},
+        "/v1/models/{id}": {"parameters": ID, "get": _op("One served model", {"200": _json(OBJ)})},
     }
 
 

@@ -1,7 +1,9 @@
 """``pagedserve api``: serve the app with gunicorn (or Flask's development server with ``--dev``).
 
-Gunicorn runs threaded workers (``gthread``): server-sent event streams hold a thread each while
-they are open, so ``--threads`` bounds concurrent streams per process.
+Gunicorn runs threaded workers (``gthread``): server-sent event streams and online requests hold
+a thread each while they are open, so ``--threads`` bounds them per process. Online requests get
+``--threads`` minus :data:`STATUS_THREADS` seats per process (``ApiConfig.online_seats``), so the
+status endpoints (``/v1/pool``, ``/healthz``, ``/metrics``) always find a free thread.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--workers", type=int, default=2, help="gunicorn worker processes")
-    ap.add_argument("--threads", type=int, default=16, help="threads per gunicorn worker")
+    ap.add_argument("--threads", type=int, default=64, help="threads per gunicorn worker")
     ap.add_argument("--timeout", type=int, default=120, help="gunicorn worker timeout (s)")
     ap.add_argument(
         "--api-keys", default=None, help=f"comma-separated bearer keys (default: ${API_KEYS_ENV})"
@@ -36,8 +38,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+#: Threads of each gunicorn worker that online requests never take (kept for status endpoints).
+STATUS_THREADS = 4
+
+
 def config_from(args: argparse.Namespace) -> ApiConfig:
     overrides: dict[str, Any] = {"redis_url": args.redis or default_url()}
+    if not args.dev:
+        overrides["online_seats"] = max(1, args.threads - STATUS_THREADS)
     if args.prefix is not None:
         overrides["prefix"] = args.prefix
     if args.api_keys is not None:

@@ -64,6 +64,8 @@ class ContextCache:
 
     at: float = -1e9
     limits: dict[str | None, ContextLimits] = field(default_factory=dict)
+    #: Served model name -> the live workers' heartbeats for it (``GET /v1/models``).
+    models: dict[str, list[WorkerHeartbeat]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -108,13 +110,27 @@ class AppState:
     def context_limits(self, model: str | None) -> ContextLimits | None:
         """The context of the live workers serving ``model`` (any, for ``None``); ``None`` if no
         live worker publishes one. Cached for ``config.context_cache_s``."""
-        now = time.monotonic()
         with self.contexts.lock:
-            if now - self.contexts.at > self.config.context_cache_s:
-                hbs = parse_heartbeats(self.store.workers()).values()
-                self.contexts.limits = context_limits_of(hbs)
-                self.contexts.at = now
+            self._refresh_workers(force=False)
             return self.contexts.limits.get(model)
+
+    def served_models(self, *, fresh: bool = False) -> dict[str, list[WorkerHeartbeat]]:
+        """Model name -> heartbeats of the live workers serving it, cached like
+        :meth:`context_limits`; ``fresh``: read the heartbeats again now."""
+        with self.contexts.lock:
+            self._refresh_workers(force=fresh)
+            return self.contexts.models
+
+    def _refresh_workers(self, *, force: bool) -> None:
+        now = time.monotonic()
+        if force or now - self.contexts.at > self.config.context_cache_s:
+            hbs = list(parse_heartbeats(self.store.workers()).values())
+            self.contexts.limits = context_limits_of(hbs)
+            models: dict[str, list[WorkerHeartbeat]] = {}
+            for hb in hbs:
+                models.setdefault(hb.model, []).append(hb)
+            self.contexts.models = models
+            self.contexts.at = now
 
     def redis_now(self) -> float:
         sec, usec = self.r.time()

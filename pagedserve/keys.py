@@ -15,6 +15,7 @@ Layout (prefix ``ps`` by default)::
     ps:file:{id}[:chunks]   hash   file meta (and content), list of content chunks
     ps:files                zset   file id -> creation sequence number
     ps:supervisor:restarts  hash   child name -> times ``pagedserve up`` restarted it
+    ps:api:rejected         hash   error code -> 429 answers the API gave (``/metrics``)
 """
 
 from __future__ import annotations
@@ -164,3 +165,7 @@ class Keys:
     @property
     def supervisor_restarts(self) -> str:
         return f"{self.prefix}:supervisor:restarts"
+
+    @property
+    def api_rejected(self) -> str:
+        return f"{self.prefix}:api:rejected"

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pagedserve import jsonsafe
+from pagedserve.keys import Priority
 from pagedserve.schemas import JobRequest
 
 COMPLETIONS_URL = "/v1/completions"
@@ -149,15 +150,19 @@ def _message_content(content: Any) -> str:
     raise ValueError("message content must be a string or a list of text parts")
 
 
-def _params(url: str, body: Mapping[str, Any]) -> dict[str, Any]:
-    """OpenAI body -> SamplingParams fields (raises ValueError with the reason)."""
-    if body.get("stream"):
+def _params(url: str, body: Mapping[str, Any], *, online: bool = False) -> dict[str, Any]:
+    """OpenAI body -> SamplingParams fields (raises ValueError with the reason). ``online``: an
+    HTTP request (it may stream), not a batch line."""
+    if body.get("stream") and not online:
         raise ValueError("'stream' is not supported in a batch")
     if body.get("echo"):
         raise ValueError("'echo' is not supported")
     best_of = body.get("best_of")
     if best_of is not None and best_of != body.get("n", 1):
         raise ValueError("'best_of' other than n is not supported")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise ValueError("'response_format' other than {'type': 'text'} is not supported")
     p: dict[str, Any] = {k: body[k] for k in _DIRECT if body.get(k) is not None}
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if url == COMPLETIONS_URL:
@@ -173,43 +178,85 @@ def _params(url: str, body: Mapping[str, Any]) -> dict[str, Any]:
 
 _KNOWN = frozenset(
     {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "logprobs"}
-    | {"top_logprobs", "stream", "echo", "best_of", *_DIRECT}
+    | {"top_logprobs", "stream", "echo", "best_of", "response_format", "priority", *_DIRECT}
 )
 
 
-def _request(url: str, body: Mapping[str, Any], metadata: dict[str, Any]) -> JobRequest:
+def _priority(value: Any) -> Priority:
+    """vLLM's ``priority`` (an int, lower runs earlier; default 0): 0 or less is
+    ``interactive``, above 0 ``bulk``; our own names are taken as they are."""
+    if value is None:
+        return "interactive"
+    if value in ("interactive", "bulk"):
+        return value  # type: ignore[no-any-return]
+    if type(value) is not int:
+        raise ValueError("'priority' must be an integer (vLLM's) or 'interactive' / 'bulk'")
+    return "interactive" if value <= 0 else "bulk"
+
+
+def _prompts(body: Mapping[str, Any]) -> list[str | list[int]]:
+    """A completions body's prompts: a string, token ids, or a list of either (one job each)."""
+    if "messages" in body:
+        raise ValueError("/v1/completions takes 'prompt', not 'messages'")
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and _ids(prompt)):
+        return [prompt]
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(x, str) or (isinstance(x, list) and _ids(x)) for x in prompt)
+    ):
+        return list(prompt)
+    raise ValueError("'prompt' must be a string, a list of token ids, or a list of either")
+
+
+def _ids(xs: list[Any]) -> bool:
+    return all(type(t) is int for t in xs)
+
+
+def _chat_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list):
+        raise ValueError("'messages' must be a list of {role, content}")
+    out = []
+    for m in msgs:
+        if not isinstance(m, dict):
+            raise ValueError("each message must be an object")
+        out.append({"role": m.get("role"), "content": _message_content(m.get("content"))})
+    return out
+
+
+def body_requests(
+    url: str,
+    body: Mapping[str, Any],
+    *,
+    metadata: dict[str, Any] | None = None,
+    online: bool = False,
+) -> list[JobRequest]:
+    """An OpenAI ``/v1/completions`` or ``/v1/chat/completions`` body -> its jobs: one, or one
+    per prompt of a completions body with a list of prompts. The one conversion of batch lines
+    (``online=False``: ``bulk`` priority, no streaming) and of the online endpoints (priority
+    from the body, ``interactive`` by default). Raises ValueError (or pydantic's
+    ValidationError) naming what is wrong; unknown body keys are named."""
     unknown = set(body) - _KNOWN - _IGNORED
     if unknown:
         raise ValueError(f"unsupported body parameters {sorted(unknown)}")
     fields: dict[str, Any] = {
-        "params": _params(url, body),
-        "priority": "bulk",
+        "params": _params(url, body, online=online),
+        "priority": _priority(body.get("priority")) if online else "bulk",
         "model": body["model"],
         "metadata": metadata,
     }
-    if url == COMPLETIONS_URL:
-        if "messages" in body:
-            raise ValueError("/v1/completions takes 'prompt', not 'messages'")
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a one-element batch of prompts
-        if not (
-            isinstance(prompt, str)
-            or (isinstance(prompt, list) and all(type(t) is int for t in prompt))
-        ):
-            raise ValueError("'prompt' must be a string or a list of token ids")
-        fields["prompt"] = prompt
-    else:
-        msgs = body.get("messages")
-        if not isinstance(msgs, list):
-            raise ValueError("'messages' must be a list of {role, content}")
-        out = []
-        for m in msgs:
-            if not isinstance(m, dict):
-                raise ValueError("each message must be an object")
-            out.append({"role": m.get("role"), "content": _message_content(m.get("content"))})
-        fields["messages"] = out
-    return JobRequest.model_validate(fields)
+    if url != COMPLETIONS_URL:
+        return [JobRequest.model_validate({**fields, "messages": _chat_messages(body)})]
+    return [JobRequest.model_validate({**fields, "prompt": p}) for p in _prompts(body)]
+
+
+def _request(url: str, body: Mapping[str, Any], metadata: dict[str, Any]) -> JobRequest:
+    reqs = body_requests(url, body, metadata=metadata)
+    if len(reqs) != 1:
+        raise ValueError("a batch line takes one prompt, not a list of them")
+    return reqs[0]
 
 
 def _validation_message(e: ValidationError) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from pagedserve.openai_input import CHAT_URL, COMPLETIONS_URL, LineError
@@ -42,39 +43,100 @@ def _chat_logprobs(lps: list[TokenLogprob]) -> dict[str, Any]:
     return {"content": content}
 
 
-def _choice(url: str, c: Completion) -> dict[str, Any]:
+def _choice(url: str, c: Completion, index: int | None = None) -> dict[str, Any]:
+    i = c.index if index is None else index
     if url == CHAT_URL:
         return {
-            "index": c.index,
+            "index": i,
             "message": {"role": "assistant", "content": c.text},
             "logprobs": _chat_logprobs(c.logprobs) if c.logprobs is not None else None,
             "finish_reason": c.finish_reason,
         }
     return {
-        "index": c.index,
+        "index": i,
         "text": c.text,
         "logprobs": _completion_logprobs(c.logprobs) if c.logprobs is not None else None,
         "finish_reason": c.finish_reason,
     }
 
 
+def usage(results: Sequence[JobResult]) -> dict[str, Any]:
+    """OpenAI's ``usage`` over the jobs of one request; ``cached_tokens``: prompt tokens the
+    worker's prefix cache served (not computed again)."""
+    prompt = sum(r.prompt_tokens for r in results)
+    completion = sum(r.completion_tokens for r in results)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(r.cached_prompt_tokens for r in results)},
+    }
+
+
+def response_id(url: str, job_id: str) -> str:
+    return f"{'chatcmpl' if url == CHAT_URL else 'cmpl'}-{job_id}"
+
+
 def response_body(
-    url: str, model: str, job_id: str, result: JobResult, created: int | None = None
+    url: str,
+    model: str,
+    job_id: str,
+    result: JobResult | Sequence[JobResult],
+    created: int | None = None,
 ) -> dict[str, Any]:
-    """The ``completion`` / ``chat.completion`` object of a finished job."""
+    """The ``completion`` / ``chat.completion`` object of a finished request: one job, or the
+    jobs of a completions request with several prompts (prompt ``i``'s completion ``j`` is
+    choice ``i * n + j``, as OpenAI numbers them)."""
+    results = [result] if isinstance(result, JobResult) else list(result)
+    choices = []
+    for i, r in enumerate(results):
+        n = len(r.completions)
+        for c in sorted(r.completions, key=lambda c: c.index):
+            choices.append(_choice(url, c, i * n + c.index))
     chat = url == CHAT_URL
     return {
-        "id": f"{'chatcmpl' if chat else 'cmpl'}-{job_id}",
+        "id": response_id(url, job_id),
         "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()) if created is None else created,
         "model": model,
-        "choices": [_choice(url, c) for c in sorted(result.completions, key=lambda c: c.index)],
-        "usage": {
-            "prompt_tokens": result.prompt_tokens,
-            "completion_tokens": result.completion_tokens,
-            "total_tokens": result.prompt_tokens + result.completion_tokens,
-        },
+        "choices": choices,
+        "usage": usage(results),
     }
+
+
+def chunk_choice(
+    url: str, index: int, text: str | None, *, role: bool = False, finish: str | None = None
+) -> dict[str, Any]:
+    """One choice of a streamed chunk: the role first (chat), then text deltas, then one with
+    the ``finish_reason`` (and no text)."""
+    if url == CHAT_URL:
+        delta: dict[str, Any] = {"role": "assistant"} if role else {}
+        if text is not None:
+            delta["content"] = text
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+    return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+
+
+def stream_chunk(
+    url: str,
+    rid: str,
+    model: str,
+    created: int,
+    choices: list[dict[str, Any]],
+    usage_body: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A ``chat.completion.chunk`` / ``text_completion`` chunk; the usage chunk (last, when the
+    client asked for ``stream_options.include_usage``) has no choices and the usage."""
+    chunk = {
+        "id": rid,
+        "object": "chat.completion.chunk" if url == CHAT_URL else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+    }
+    if usage_body is not None:
+        chunk["usage"] = usage_body
+    return chunk
 
 
 def error_line(

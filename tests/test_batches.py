@@ -266,7 +266,12 @@ def test_lines_counted_once_and_finalize(bs: BatchStore) -> None:
     body = o["response"]["body"]
     assert body["object"] == "text_completion" and body["model"] == MODEL
     assert [c["text"] for c in body["choices"]] == ["A", "A"]
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert body["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 2,
+        "total_tokens": 5,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     errs = {
         json.loads(x)["custom_id"]: json.loads(x)
         for x in bs.files.content(done.error_file_id).splitlines()
