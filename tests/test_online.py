@@ -10,64 +10,21 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
-from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from pagedserve.params import SamplingParams
-from pagedserve.redis_util import LocalRedisServer
-from pagedserve.store import JobStore
-from tests.api_live import HOST, ApiServer, launch_api
-from tests.fixtures.models import MakeTinyModel
-from tests.fixtures.redis_server import REDIS_BINARY
-from tests.fixtures.workers import WorkerProcess, launch_worker, wait_for
+from tests.api_live import HOST
+from tests.online_live import Stack, stack
 
 openai = pytest.importorskip("openai", reason="pip install openai (a dev dependency)")
+__all__ = ["stack"]  # the module-scoped live stack fixture
 
 MESSAGES = [
     {"role": "system", "content": "You are terse."},
     {"role": "user", "content": "Name a colour."},
 ]
-
-
-@dataclass
-class Stack:
-    redis_url: str
-    api: ApiServer
-    worker: WorkerProcess
-    model_dir: Path
-    model: str
-
-    @property
-    def base_url(self) -> str:
-        return f"{self.api.base_url}/v1"
-
-    def client(self) -> Any:
-        return openai.OpenAI(base_url=self.base_url, api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def stack(
-    tmp_path_factory: pytest.TempPathFactory, make_tiny_model: MakeTinyModel
-) -> Iterator[Stack]:
-    d = tmp_path_factory.mktemp("online")
-    server = LocalRedisServer(binary=REDIS_BINARY).start()
-    model_dir = make_tiny_model("llama")
-    worker = launch_worker(server.url, model_dir, "online-w", d / "worker.log")
-    api: ApiServer | None = None
-    try:
-        worker.wait_ready()
-        api = launch_api(server.url, d / "api.log", workers=2, threads=72)
-        hb = JobStore(server.url).workers()["online-w"]
-        yield Stack(server.url, api, worker, model_dir, hb["model"])
-    finally:
-        if api is not None:
-            api.stop()
-        worker.kill()
-        server.stop()
 
 
 @pytest.fixture(scope="module")
