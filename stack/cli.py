@@ -18,6 +18,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from pagedserve import package_version
 from pagedserve.keys import DEFAULT_PREFIX, PREFIX_ENV
 from pagedserve.redis_util import DEFAULT_URL, URL_ENV, default_url
 
@@ -98,6 +99,7 @@ def _print(obj: Any) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
+    ap.add_argument("--version", action="version", version=f"pagedserve {package_version()}")
     ap.add_argument(
         "--redis",
         default=None,

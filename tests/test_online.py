@@ -205,3 +205,23 @@ def test_response_format_text_is_accepted(stack: Stack) -> None:
         model=stack.model, messages=MESSAGES, max_tokens=2, response_format={"type": "text"}
     )
     assert resp.usage.completion_tokens >= 1
+
+
+# ----------------------------------------------------------------------------- package shape
+def test_public_imports_and_version() -> None:
+    import subprocess
+    import sys
+    from importlib.metadata import version
+
+    code = (
+        "import sys\n"
+        "from pagedserve import Client, SamplingParams, JobRequest, JobStatus, Batch, JobStore\n"
+        "from worker import SamplingParams as S\n"
+        "assert S is SamplingParams and Client.__module__ == 'pagedserve.client'\n"
+        "print(sorted(m for m in ('torch', 'flask') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"  # the contract loads neither torch nor flask
+    cli = [sys.executable, "-m", "stack", "--version"]
+    got = subprocess.run(cli, capture_output=True, text=True, check=True).stdout.strip()
+    assert got == f"pagedserve {version('pagedserve')}"

@@ -1,14 +1,14 @@
 """The worker: model families, the model runner, the engine and the Redis service loop.
 
-``from worker import LLM`` for offline generation; imports are lazy so that light entry points
-(``worker.make_model``) do not pay for the engine's.
+``from worker import LLM, SamplingParams`` for offline generation (as with vLLM); imports are
+lazy so that light entry points (``worker.make_model``) do not pay for the engine's.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["LLM", "CompletionOutput", "Engine", "EngineConfig", "RequestOutput"]
+__all__ = ["LLM", "CompletionOutput", "Engine", "EngineConfig", "RequestOutput", "SamplingParams"]
 
 
 def __getattr__(name: str) -> Any:
@@ -16,6 +16,10 @@ def __getattr__(name: str) -> Any:
         from worker.llm import LLM
 
         return LLM
+    if name == "SamplingParams":
+        from pagedserve.params import SamplingParams
+
+        return SamplingParams
     if name == "Engine":
         from worker.engine import Engine
 
