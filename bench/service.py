@@ -71,8 +71,8 @@ def params_of(wl: Workload) -> list[SamplingParams]:
     return [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in wl.max_tokens]
 
 
-def run_offline(model: Path, wl: Workload, args: argparse.Namespace) -> float:
-    """Seconds for the offline engine to run the workload (after a warm-up request)."""
+def offline_engine(model: Path, args: argparse.Namespace) -> Any:
+    """The offline engine with the worker's options (:func:`engine_options`), warmed up."""
     from worker.engine import Engine
     from worker.outputs import EngineConfig
 
@@ -87,6 +87,12 @@ def run_offline(model: Path, wl: Workload, args: argparse.Namespace) -> float:
     eng.add_request("warm", [10, 11, 12, 13], SamplingParams(temperature=0, max_tokens=4))
     while eng.has_unfinished():
         eng.step()
+    return eng
+
+
+def run_offline(model: Path, wl: Workload, args: argparse.Namespace) -> float:
+    """Seconds for the offline engine to run the workload (after a warm-up request)."""
+    eng = offline_engine(model, args)
     t0 = time.perf_counter()
     for i, (p, sp) in enumerate(zip(wl.prompts, params_of(wl), strict=True)):
         eng.add_request(str(i), p, sp)

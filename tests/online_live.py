@@ -4,6 +4,7 @@ module-scoped (``from tests.online_live import stack`` in a test module)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,18 +38,15 @@ class Stack:
         return openai.OpenAI(base_url=self.base_url, api_key="unused", max_retries=0)
 
 
-@pytest.fixture(scope="module")
-def stack(
-    tmp_path_factory: pytest.TempPathFactory, make_tiny_model: MakeTinyModel
-) -> Iterator[Stack]:
-    d = tmp_path_factory.mktemp("online")
+@contextlib.contextmanager
+def live_stack(tmp: Path, model_dir: Path, *worker_args: str, threads: int = 72) -> Iterator[Stack]:
+    """Redis, one worker on ``model_dir`` and the API (2 gunicorn workers), stopped on exit."""
     server = LocalRedisServer(binary=REDIS_BINARY).start()
-    model_dir = make_tiny_model("llama")
-    worker = launch_worker(server.url, model_dir, "online-w", d / "worker.log")
+    worker = launch_worker(server.url, model_dir, "online-w", tmp / "worker.log", *worker_args)
     api: ApiServer | None = None
     try:
-        worker.wait_ready()
-        api = launch_api(server.url, d / "api.log", workers=2, threads=72)
+        worker.wait_ready(timeout=180)
+        api = launch_api(server.url, tmp / "api.log", workers=2, threads=threads)
         hb = JobStore(server.url).workers()["online-w"]
         yield Stack(server.url, api, worker, model_dir, hb["model"])
     finally:
@@ -56,3 +54,11 @@ def stack(
             api.stop()
         worker.kill()
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(
+    tmp_path_factory: pytest.TempPathFactory, make_tiny_model: MakeTinyModel
+) -> Iterator[Stack]:
+    with live_stack(tmp_path_factory.mktemp("online"), make_tiny_model("llama")) as s:
+        yield s

@@ -10,13 +10,14 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from pagedserve.params import SamplingParams
 from tests.api_live import HOST
-from tests.online_live import Stack, stack
+from tests.online_live import Stack, live_stack, stack
 
 openai = pytest.importorskip("openai", reason="pip install openai (a dev dependency)")
 __all__ = ["stack"]  # the module-scoped live stack fixture
@@ -225,3 +226,18 @@ def test_public_imports_and_version() -> None:
     cli = [sys.executable, "-m", "stack", "--version"]
     got = subprocess.run(cli, capture_output=True, text=True, check=True).stdout.strip()
     assert got == f"pagedserve {version('pagedserve')}"
+
+
+def test_real_model_chat_equals_llm_chat(real_model_dir: Path, tmp_path: Path) -> None:
+    """SmolLM2-135M-Instruct: the same greedy answer online (streamed and not) and offline."""
+    from worker import LLM
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    want = LLM(real_model_dir, max_model_len=512).chat(messages, greedy(24))[0].outputs[0].text
+    with live_stack(tmp_path, real_model_dir, threads=8) as s:
+        kw = {"model": s.model, "messages": messages, "temperature": 0, "max_tokens": 24}
+        plain = s.client().chat.completions.create(**kw)
+        streamed = s.client().chat.completions.create(stream=True, **kw)
+        text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert "Paris" in want
+    assert plain.choices[0].message.content == want == text
