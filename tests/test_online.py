@@ -241,3 +241,34 @@ def test_real_model_chat_equals_llm_chat(real_model_dir: Path, tmp_path: Path) -
         text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
     assert "Paris" in want
     assert plain.choices[0].message.content == want == text
+
+
+# ----------------------------------------------------------------------------- conversion
+def test_body_requests_online_and_batch_share_one_conversion() -> None:
+    from pagedserve.openai_input import CHAT_URL, COMPLETIONS_URL, body_requests, parse_line
+    from pagedserve.openai_output import batch_line
+    from pagedserve.schemas import Completion, JobResult
+
+    parts = [{"type": "text", "text": "hi"}]
+    chat = {"model": "m", "messages": [{"role": "user", "content": parts}],
+            "max_completion_tokens": 5, "top_k": 3, "priority": 1, "stream": True}  # fmt: skip
+    (req,) = body_requests(CHAT_URL, chat, online=True)
+    assert req.priority == "bulk" and req.params.max_tokens == 5 and req.params.top_k == 3
+    assert req.messages[0].content == "hi"
+    assert (
+        body_requests(CHAT_URL, {**chat, "priority": -2}, online=True)[0].priority == "interactive"
+    )
+    with pytest.raises(ValueError, match="'stream' is not supported in a batch"):
+        body_requests(CHAT_URL, chat)
+    reqs = body_requests(COMPLETIONS_URL, {"model": "m", "prompt": ["a", [1, 2]]}, online=True)
+    assert [r.prompt for r in reqs] == ["a", [1, 2]] and reqs[0].priority == "interactive"
+    line = json.dumps({"custom_id": "c", "method": "POST", "url": COMPLETIONS_URL,
+                       "body": {"model": "m", "prompt": ["a", "b"]}})  # fmt: skip
+    with pytest.raises(ValueError, match="one prompt"):
+        parse_line(line, 1)
+    comp = Completion(index=0, text="x", token_ids=[4], finish_reason="length")
+    result = JobResult(completions=[comp], prompt_tokens=40, cached_prompt_tokens=32,
+                       completion_tokens=1)  # fmt: skip
+    ok, out = batch_line("c", COMPLETIONS_URL, "m", "j1", "succeeded", result)
+    usage = json.loads(out)["response"]["body"]["usage"]
+    assert ok and usage["prompt_tokens_details"] == {"cached_tokens": 32}
