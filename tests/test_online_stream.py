@@ -184,3 +184,17 @@ def test_stream_keeps_the_http_connection_usable(stack: Stack) -> None:
                      {"Content-Type": "application/json"})  # fmt: skip
         assert conn.getresponse().read().decode().endswith("data: [DONE]\n\n")
     conn.close()
+
+
+def test_online_routes_answer_errors_in_openai_shape(redis_url: str) -> None:
+    client = make_app(redis_url).test_client()
+    cases = [
+        (client.get("/v1/chat/completions"), 405),
+        (client.post("/v1/completions", data="x", content_type="text/plain"), 415),
+        (client.post("/v1/completions", json={"model": "tiny-llama", "prompt": "a"}), 404),
+        (client.get("/v1/models/nope"), 404),
+    ]
+    for resp, status in cases:
+        assert resp.status_code == status
+        err = resp.get_json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"]
