@@ -105,8 +105,9 @@ def convert(url: str, body: Mapping[str, Any]) -> list[JobRequest]:
         reqs = body_requests(url, body, online=True)
     except ValidationError as e:
         message, param = describe_validation(e)
-        if param and param.startswith("params."):
-            param = param.removeprefix("params.")
+        # The body's names, not the job's: "temperature", not "params.temperature".
+        message = message.replace(": params.", ": ").replace("; params.", "; ")
+        param = param.removeprefix("params.") if param else None
         raise ApiError(400, message, "invalid_request_error", param) from None
     except ValueError as e:
         raise ApiError(400, str(e), "invalid_request_error") from None
