@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import random
 import statistics
 import tempfile
@@ -145,8 +146,6 @@ def run_online(
 def cpu_s(root: int) -> float:
     """CPU seconds (user + system) used so far by process ``root`` and its live children (the
     gunicorn master's workers), from /proc; 0.0 where /proc cannot be read."""
-    import os
-
     tick = os.sysconf("SC_CLK_TCK")
 
     def stat(pid: str) -> list[str] | None:
@@ -225,6 +224,48 @@ def figures(walls: list[float], offline: list[float], t: Timings, pool_s: list[f
     }
 
 
+@dataclass
+class Rounds:
+    """What the alternating rounds measured."""
+
+    walls: list[float] = field(default_factory=list)
+    offline: list[float] = field(default_factory=list)
+    pool_s: list[float] = field(default_factory=list)
+    timings: Timings = field(default_factory=Timings)
+    cpu: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # worker, API, clients
+    offline_cpu: float = 0.0
+
+    def run(self, engine: Any, stack: tuple[int, int, str], name: str, reqs: list[Request],
+            clients: int) -> None:  # fmt: skip
+        """One offline run, then one online run (``stack``: worker pid, API pid, base URL)."""
+        t0 = os.times()
+        self.offline.append(run_offline(engine, reqs))
+        t1 = os.times()
+        self.offline_cpu += t1.user + t1.system - t0.user - t0.system
+        before = _cpu(*stack[:2])
+        wall, t, p = run_online(stack[2], name, reqs, clients)
+        spent = [b - a for a, b in zip(before, _cpu(*stack[:2]), strict=True)]
+        self.cpu = [c + x for c, x in zip(self.cpu, spent, strict=True)]
+        self.walls.append(wall)
+        self.pool_s += p
+        self.timings.ttft += t.ttft
+        self.timings.gaps += t.gaps
+        self.timings.tpot += t.tpot
+
+    def report(self, reqs: list[Request], args: argparse.Namespace) -> dict[str, Any]:
+        out = figures(self.walls, self.offline, self.timings, self.pool_s, reqs, args)
+        # On a shared 2-core machine the API and the clients take CPU from the worker's thread.
+        out |= dict(zip(("cpu_s_worker", "cpu_s_api", "cpu_s_clients"),
+                        [round(c, 1) for c in self.cpu], strict=True))  # fmt: skip
+        out["online_wall_s"] = round(sum(self.walls), 1)
+        out["offline_cpu_s"] = round(self.offline_cpu, 1)
+        # Load-independent: the worker's CPU for the requests against the offline engine's
+        # (1.0: serving costs the engine nothing; the API's and clients' CPU are listed above).
+        ratio = self.cpu[0] / self.offline_cpu if self.offline_cpu else None
+        out["worker_cpu_over_offline_cpu"] = round(ratio, 3) if ratio else None
+        return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path, default=None, help="HF checkpoint dir or .gguf file")
@@ -241,9 +282,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     from bench.service import offline_engine
 
-    reqs = make_requests(args.requests, args.seed)
-    walls, offline, pool_s, timings = [], [], [], Timings()
-    cpu = [0.0, 0.0, 0.0]  # CPU seconds of the online rounds: worker, API, clients
+    reqs, rounds = make_requests(args.requests, args.seed), Rounds()
     with tempfile.TemporaryDirectory(prefix="psbench-") as tmp:
         work = Path(tmp)
         name, model = pick_model(args, work)
@@ -254,32 +293,16 @@ def main(argv: list[str] | None = None) -> None:
             try:
                 _one_warm(base, name, reqs[0])
                 for _ in range(args.rounds):
-                    offline.append(run_offline(engine, reqs))
-                    before = _cpu(worker.pid, api.pid)
-                    wall, t, p = run_online(base, name, reqs, args.clients)
-                    walls.append(wall)
-                    spent = [b - a for a, b in zip(before, _cpu(worker.pid, api.pid), strict=True)]
-                    cpu = [c + x for c, x in zip(cpu, spent, strict=True)]
-                    pool_s += p
-                    timings.ttft += t.ttft
-                    timings.gaps += t.gaps
-                    timings.tpot += t.tpot
+                    rounds.run(engine, (worker.pid, api.pid, base), name, reqs, args.clients)
             finally:
                 api.terminate()
                 worker.terminate()
                 api.wait(timeout=30)
                 worker.wait(timeout=60)
-    out = figures(walls, offline, timings, pool_s, reqs, args)
-    # On a shared 2-core machine the API and the clients take CPU from the worker's thread.
-    out |= dict(zip(("cpu_s_worker", "cpu_s_api", "cpu_s_clients"),
-                    [round(c, 1) for c in cpu], strict=True))  # fmt: skip
-    out["online_wall_s"] = round(sum(walls), 1)
-    emit("online", {"model": name, **out})
+    emit("online", {"model": name, **rounds.report(reqs, args)})
 
 
 def _cpu(worker_pid: int, api_pid: int) -> list[float]:
-    import os
-
     t = os.times()
     return [cpu_s(worker_pid), cpu_s(api_pid), t.user + t.system]
 
