@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import subprocess
@@ -13,13 +12,15 @@ from typing import Any
 
 import redis
 
-DEFAULT_URL = "redis://localhost:6379/0"
-URL_ENV = "PAGEDSERVE_REDIS_URL"
+from pagedserve.settings import REDIS_URL
+
+DEFAULT_URL = REDIS_URL.default
+URL_ENV = REDIS_URL.name
 
 
 def default_url() -> str:
     """The Redis URL from ``PAGEDSERVE_REDIS_URL``, else the local default."""
-    return os.environ.get(URL_ENV, DEFAULT_URL)
+    return REDIS_URL.text()
 
 
 def connect(url: str | None = None) -> redis.Redis:
