@@ -12,6 +12,7 @@ from typing import Any
 
 import redis
 
+from pagedserve.redis_url import connect_url
 from pagedserve.settings import REDIS_URL
 
 DEFAULT_URL = REDIS_URL.default
@@ -24,8 +25,9 @@ def default_url() -> str:
 
 
 def connect(url: str | None = None) -> redis.Redis:
-    """A client that decodes replies to ``str`` (everything we store is text or JSON)."""
-    return redis.Redis.from_url(url or default_url(), decode_responses=True)
+    """A client that decodes replies to ``str`` (everything we store is text or JSON); ``url``
+    may name a Sentinel-managed master (:mod:`pagedserve.redis_url`)."""
+    return connect_url(url or default_url(), decode_responses=True)
 
 
 def stream_entries(reply: Any) -> list[tuple[str, list[tuple[str, Any]]]]:
