@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -233,8 +234,18 @@ def test_real_model_chat_equals_llm_chat(real_model_dir: Path, tmp_path: Path) -
     from worker import LLM
 
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    want = LLM(real_model_dir, max_model_len=512).chat(messages, greedy(24))[0].outputs[0].text
+    ref: list[str] = []
+
+    def offline() -> None:  # loads while the worker process loads the same model
+        ref.append(
+            LLM(real_model_dir, max_model_len=512).chat(messages, greedy(24))[0].outputs[0].text
+        )
+
+    t = threading.Thread(target=offline)
+    t.start()
     with live_stack(tmp_path, real_model_dir, threads=8) as s:
+        t.join()
+        (want,) = ref
         kw = {"model": s.model, "messages": messages, "temperature": 0, "max_tokens": 24}
         plain = s.client().chat.completions.create(**kw)
         streamed = s.client().chat.completions.create(stream=True, **kw)
