@@ -21,8 +21,6 @@ class JobState:
     latest: RequestOutput | None = None
     #: Per completion index: (tokens, characters) already published as progress.
     published: dict[int, tuple[int, int]] = field(default_factory=dict)
-    last_flush: float = 0.0
-    flushed_once: bool = False
     first_token_seen: bool = False
 
     @property
@@ -36,7 +34,6 @@ class JobState:
         """Make everything generated so far pending again (after a ``restart`` event told
         followers to discard what they had, while this run goes on)."""
         self.published.clear()
-        self.flushed_once = False
 
     def has_pending(self) -> bool:
         return bool(self._pending())

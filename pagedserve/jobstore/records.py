@@ -165,6 +165,9 @@ class StepResult:
 
     #: Job ids whose progress or final write was refused: the lease is lost, drop the sequence.
     lost: list[str] = field(default_factory=list)
+    #: (job id, fence) of every refused write: a caller that may hold a newer lease of the same
+    #: job by then (written on another thread) drops the job only if the fence is its own.
+    refused: list[tuple[str, int]] = field(default_factory=list)
     #: Job ids a client asked to cancel (drained from this worker's cancel set).
     cancels: set[str] = field(default_factory=set)
     #: Writes Redis answered with an error (e.g. a key of the wrong type): the job cannot be
