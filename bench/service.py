@@ -189,40 +189,53 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def cpu_s(pid: int | None = None) -> float:
+    """CPU seconds (user + system) of this process, or of process ``pid`` (Linux ``/proc``)."""
+    if pid is None:
+        return time.process_time()
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run_rounds(
-    eng: Engine, urls: dict[str, str], vocab: int, args: argparse.Namespace
-) -> dict[str, list[float]]:
-    """Output tok/s of every system (``offline`` and each worker) per round; round ``r`` runs
+    eng: Engine, workers: dict[str, tuple[str, int]], vocab: int, args: argparse.Namespace
+) -> dict[str, dict[str, list[float]]]:
+    """Per system (``offline`` and each worker: url, pid) and round: output tok/s and CPU seconds
+    (this process for the offline engine, the worker process for a worker). Round ``r`` runs
     workload seed ``seed + r`` on each, in an order rotated by one every round."""
-    systems = ["offline", *urls]
-    tps: dict[str, list[float]] = {name: [] for name in systems}
+    systems = ["offline", *workers]
+    got: dict[str, dict[str, list[float]]] = {n: {"tok_s": [], "cpu_s": []} for n in systems}
     for r in range(args.rounds):
         wl = make_mixed(args.requests, vocab, args.seed + r)
         k = r % len(systems)
         for name in systems[k:] + systems[:k]:
+            pid = None if name == "offline" else workers[name][1]
+            cpu0 = cpu_s(pid)
             if name == "offline":
                 wall = run_offline(eng, wl, f"r{r}")
             else:
-                wall = run_service(urls[name], wl)
-            tps[name].append(wl.output_tokens / wall)
-    return tps
+                wall = run_service(workers[name][0], wl)
+            got[name]["cpu_s"].append(cpu_s(pid) - cpu0)
+            got[name]["tok_s"].append(wl.output_tokens / wall)
+    return got
 
 
-def summary(tps: dict[str, list[float]]) -> dict[str, Any]:
+def summary(got: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
     """Medians, and each worker's per-round ratio to the offline engine (and to the baseline
-    worker, when there is one) with their median."""
+    worker, when there is one) with their median; CPU seconds per round of each."""
     out: dict[str, Any] = {}
+    tps = {name: g["tok_s"] for name, g in got.items()}
     for name, xs in tps.items():
         out[f"{name}_tok_s"] = round(statistics.median(xs), 1)
         out[f"{name}_tok_s_rounds"] = [round(x, 1) for x in xs]
-    for name in tps.keys() - {"offline"}:
-        ratios = [s / o for s, o in zip(tps[name], tps["offline"], strict=True)]
-        out[f"{name}_over_offline_rounds"] = [round(x, 3) for x in ratios]
-        out[f"{name}_over_offline"] = round(statistics.median(ratios), 3)
+        out[f"{name}_cpu_s_rounds"] = [round(x, 2) for x in got[name]["cpu_s"]]
+    pairs = [(n, "offline") for n in tps if n != "offline"]
     if "baseline" in tps:
-        ratios = [s / b for s, b in zip(tps["service"], tps["baseline"], strict=True)]
-        out["service_over_baseline_rounds"] = [round(x, 3) for x in ratios]
-        out["service_over_baseline"] = round(statistics.median(ratios), 3)
+        pairs.append(("service", "baseline"))
+    for a, b in pairs:
+        ratios = [x / y for x, y in zip(tps[a], tps[b], strict=True)]
+        out[f"{a}_over_{b}_rounds"] = [round(x, 3) for x in ratios]
+        out[f"{a}_over_{b}"] = round(statistics.median(ratios), 3)
     return out
 
 
@@ -234,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
         vocab, params = model_numbers(model)
         eng = offline_engine(model, args)
         trees = {"service": None, "baseline": args.baseline_tree}
-        urls: dict[str, str] = {}
+        workers: dict[str, tuple[str, int]] = {}
         for system, tree in trees.items():
             if system == "baseline" and tree is None:
                 continue
@@ -242,10 +255,11 @@ def main(argv: list[str] | None = None) -> None:
             proc = start_worker(url, model, args, work / f"{system}.log", tree)
             stack.callback(proc.wait, 60)
             stack.callback(proc.terminate)
-            urls[system] = url
-        ttft = time_to_first_token(Client(urls["service"]), args.ttft_repeats)
-        tps = run_rounds(eng, urls, vocab, args)
-        jobs_per_s = submit_rate(urls["service"], args.submit_jobs)
+            workers[system] = (url, proc.pid)
+        url = workers["service"][0]
+        ttft = time_to_first_token(Client(url), args.ttft_repeats)
+        got = run_rounds(eng, workers, vocab, args)
+        jobs_per_s = submit_rate(url, args.submit_jobs)
     wl = make_mixed(args.requests, vocab, args.seed)
     emit("service", {
         "model": name,
@@ -256,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
         "output_tokens": wl.output_tokens,
         "threads": args.threads,
         "rounds": args.rounds,
-        **summary(tps),
+        **summary(got),
         "submit_many_jobs_per_s": round(jobs_per_s, 1),
         "enqueue_to_first_token_ms": round(ttft * 1e3, 2),
         "load_avg_1m": round(os.getloadavg()[0], 2),

@@ -267,8 +267,7 @@ class Worker:
             return
         self.urgent = []
         for st in flush:
-            if st.has_pending():
-                self.unsent_progress += st.take_progress()
+            self.unsent_progress += st.take_progress()
 
     def _finish(self, st: JobState, out: RequestOutput) -> None:
         self.jobs.pop(st.lease.job_id, None)

@@ -49,9 +49,6 @@ class Batch:
     finals: list[Finish] = field(default_factory=list)
     cancels: bool = False  # drain the cancel set too
 
-    def __bool__(self) -> bool:
-        return bool(self.progress or self.finals or self.cancels)
-
     def add(self, progress: Iterable[Progress], finals: Sequence[Finish]) -> None:
         for p in progress:
             key = (p.lease.job_id, p.lease.fence, p.index)
@@ -83,8 +80,9 @@ class Batch:
 class Writer:
     """A thread writing the service loop's job writes to Redis (see the module docstring).
 
-    ``cancel_poll_s``: while the loop has running jobs (``put(..., cancels=True)``), the cancel
-    set is drained with every batch, and at least this often when there is nothing to write.
+    ``cancel_poll_s``: while the loop has running jobs (its last ``put(..., cancels=True)``),
+    the cancel set is drained with every batch, and at least this often when there is nothing
+    to write (the thread keeps that time itself: ``put`` wakes it only for writes).
     """
 
     def __init__(self, store: JobStore, consumer: str, cancel_poll_s: float = 0.025) -> None:
@@ -97,26 +95,31 @@ class Writer:
         self._reports: list[StepResult] = []
         self._inflight = 0  # final writes being sent (0 also when only progress is)
         self._sending = False
+        self._waiting = False  # the thread waits for work (put() wakes it only then)
+        self._poll_cancels = False
         self._closed = False
         self._last_cancel_poll = 0.0
         self._thread: threading.Thread | None = None
 
     # ----------------------------------------------------------------- the loop's side
     def put(self, progress: Sequence[Progress], finals: Sequence[Finish], cancels: bool) -> None:
-        """Queue writes (and, with ``cancels``, ask for the cancel set to be drained)."""
-        if not (progress or finals or cancels):
-            return
+        """Queue writes; ``cancels``: whether the cancel set is to be drained from now on (the
+        loop has running jobs)."""
+        if not (progress or finals) and cancels == self._poll_cancels:
+            return  # nothing new: no lock, no wake-up
         with self._cv:
             if self._closed:
                 raise RuntimeError("writer closed")
+            wake = self._waiting and (progress or finals or cancels)
             self._pending.add(progress, finals)
-            self._pending.cancels |= cancels
+            self._poll_cancels = cancels
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="pagedserve-writer", daemon=True
                 )
                 self._thread.start()
-            self._cv.notify()
+            if wake:  # a sending thread looks at what is pending when its round trip is done
+                self._cv.notify()
 
     def take_reports(self) -> list[StepResult]:
         """What Redis answered to the batches sent since the last call, in order."""
@@ -170,14 +173,21 @@ class Writer:
                 self._inflight = 0
                 if report is None:  # Redis down: in front of what came meanwhile, retried
                     batch.add(self._pending.progress.values(), self._pending.finals)
-                    batch.cancels |= self._pending.cancels
+                    batch.cancels = False
                     self._pending = batch
                 else:
                     self._reports.append(report)
                 self._cv.notify_all()
 
     def _next_batch(self) -> Batch | None:
-        """Under the lock: wait for something to send (``None``: closed with nothing left)."""
+        """Under the lock: wait for something to send (``None``: closed)."""
+        try:
+            self._waiting = True
+            return self._take()
+        finally:
+            self._waiting = False
+
+    def _take(self) -> Batch | None:
         while True:
             if self._closed:  # close() gave the last writes their time
                 return None
@@ -188,7 +198,7 @@ class Writer:
                 continue
             if p.progress or p.finals:
                 break
-            if p.cancels:
+            if self._poll_cancels:
                 due = self._last_cancel_poll + self.cancel_poll_s - now
                 if due <= 0:
                     break
@@ -196,6 +206,7 @@ class Writer:
             else:
                 self._cv.wait()
         self._pending = Batch()
+        p.cancels = self._poll_cancels
         if p.cancels:
             self._last_cancel_poll = time.monotonic()
         return p
