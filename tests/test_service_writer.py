@@ -62,6 +62,23 @@ def test_batch_merges_deltas_per_job_lease_and_completion(store: JobStore) -> No
     newer = Lease(a.job_id, a.fence + 1, "w", a.priority, a.entry_id, a.request, 2)
     batch.add([Progress(newer, 1, "n", [4])], [])
     assert len(batch.updates()) == 4
+    # After a failed send, later deltas never merge into those sent once (sent again as they
+    # were); they follow them, in order.
+    batch.attempt += 1
+    batch.add([Progress(a, 4, "w", [8])], [])
+    ups = batch.updates()
+    assert [(p.lease.job_id, p.delta_text) for p in ups][-1] == (a.job_id, "w")
+    assert ups[0].delta_text == "xyz" and ups[0].tokens_generated == 4
+
+
+def test_a_delta_sent_again_is_written_once(store: JobStore) -> None:
+    (a,) = leases(store, 1)
+    sent = [Progress(a, 2, "ab", [1, 2], end=4), Progress(a, 3, "c", [3], end=6)]
+    assert not store.commit_step(progress=sent).errors
+    again = store.commit_step(progress=[*sent, Progress(a, 4, "d", [4], end=8)])
+    assert not again.lost and not again.errors
+    acc = accumulate(events(store, a.job_id))
+    assert acc.token_ids == {0: [1, 2, 3, 4]} and acc.texts == {0: "abcd"}
 
 
 def test_deltas_arrive_in_order_and_the_final_write_after_them(store: JobStore) -> None:

@@ -50,7 +50,8 @@ class JobState:
             toks, chars = self.published.get(c.index, (0, 0))
             if ntok > toks or nchar > chars:
                 ids = tuple(c.token_ids[toks:])
-                out.append(Progress(self.lease, total, c.text[chars:], ids, c.index))
+                text = c.text[chars:]
+                out.append(Progress(self.lease, total, text, ids, c.index, ntok + nchar))
                 self.published[c.index] = (ntok, nchar)
         return out
 

@@ -53,7 +53,7 @@ from worker.service_config import (
     service_config,
 )
 from worker.service_telemetry import ServiceTelemetry
-from worker.writer import Writer
+from worker.writer import WRITE_FAILED, Writer
 
 if TYPE_CHECKING:
     from worker.engine import Engine
@@ -61,6 +61,7 @@ if TYPE_CHECKING:
 __all__ = [
     "PREFIX_ENV",
     "REDIS_DOWN",
+    "WRITE_FAILED",
     "JobState",
     "ServiceConfig",
     "Worker",
@@ -72,8 +73,6 @@ __all__ = [
 
 log = logging.getLogger("pagedserve.worker")
 
-#: How the failure reason of a job whose state Redis refused to write begins.
-WRITE_FAILED = "could not write the job's state: "
 #: Most jobs leased by one claim call.
 MAX_CLAIM = 64
 

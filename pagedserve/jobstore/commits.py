@@ -76,6 +76,7 @@ class Commits(StoreBase):
             p.delta_text,
             json.dumps(list(p.delta_token_ids), separators=(",", ":")),
             self.events_maxlen,
+            p.end,
         ]
         return ("progress", keys, args)
 

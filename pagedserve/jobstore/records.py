@@ -114,6 +114,9 @@ class Progress:
     delta_text: str = ""
     delta_token_ids: Sequence[int] = ()
     index: int = 0
+    #: The completion's tokens + characters published once this delta is (0: unchecked). A
+    #: delta whose end its lease already wrote is skipped: a resent pipeline repeats nothing.
+    end: int = 0
 
 
 @dataclass(frozen=True)
