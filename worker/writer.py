@@ -121,11 +121,11 @@ class Writer:
         if self._closed:
             raise RuntimeError("writer closed")
         self._poll_cancels = cancels
-        if not (progress or finals):
-            return
-        if self._thread is None:
+        if self._thread is None and (progress or finals or cancels):
             self._thread = threading.Thread(target=self._run, name="pagedserve-writer", daemon=True)
             self._thread.start()
+        if not (progress or finals):
+            return
         self._puts += 1
         self._finals_put += len(finals)
         self._queue.put((progress, finals))
@@ -200,7 +200,7 @@ class Writer:
             return max(0.0, self._retry_at() - now)
         if self._poll_cancels:
             return max(0.0, last_poll + self.cancel_poll_s - now, self._retry_at() - now)
-        return 1.0
+        return max(0.1, self.cancel_poll_s)  # a loop with no job yet: look again soon
 
     def _send(self, batch: Batch) -> bool:
         """Write the batch: its deltas (with the cancel drain), then its final writes, each
