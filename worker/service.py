@@ -7,16 +7,14 @@ One iteration of the loop:
    interactive before bulk), reclaim entries of dead workers (XAUTOCLAIM), renew the leases of
    running jobs, publish the heartbeat.
 2. ``engine.step()`` when the engine has work.
-3. The step's writes (progress deltas of every job, at most one per ``progress_interval_s`` and
-   the first token at once; final writes) go to the writer (``worker.writer``), which sends them
-   on its own thread with the drain of this worker's cancel set, while the loop steps on; what
-   Redis answered comes back to the loop (cancelled and lost jobs are aborted in the engine).
+3. The step's writes (every job's deltas once per ``progress_interval_s``, a first token at once;
+   final writes) go to ``worker.writer``, whose thread sends them with the cancel-set drain while
+   the loop steps on; Redis's answers come back (cancelled and lost jobs are aborted at once).
 
-Redis errors never stop the loop: the engine keeps stepping, progress accumulates in the writer
-(merged per job), final writes wait there, and Redis is retried with backoff. Nothing one job
-carries stops it either: a write of one job that Redis refuses with an error (a key of the wrong
-type, say) fails that job with the reason, a lease that cannot be read dead-letters its entry,
-and the loop goes on.
+Redis errors never stop the loop: the engine keeps stepping, the writer merges progress per job,
+keeps final writes and retries Redis with backoff. Nothing one job carries stops it either: a
+write of one job that Redis refuses with an error (a key of the wrong type, say) fails that job
+with the reason, a lease that cannot be read dead-letters its entry, and the loop goes on.
 
 SIGTERM / SIGINT drain: no more claims, running jobs get ``--grace-s`` seconds, the rest go back to
 the queue (``store.release``), the writer writes what it holds, exit status 0.
@@ -240,8 +238,7 @@ class Worker:
 
     # ----------------------------------------------------------------- stepping
     def step(self) -> None:
-        """One engine step, and the progress writes it makes due: every job's pending deltas
-        once per ``progress_interval_s`` (all jobs together: one batch), a first token at once."""
+        """One engine step, and the progress it makes due (all jobs together: one batch)."""
         self._add_tokenized()
         outputs = self.engine.step() if self.engine.has_unfinished() else []
         jobs = self.jobs
@@ -374,16 +371,12 @@ class Worker:
                     time.sleep(self.guard.wait_s())
                 elif self.draining:  # only the writer has work left: wait for it, do not spin
                     self.writer.flush(0.05)
-        self._close_writer()
+        if not self.writer.close(self.cfg.writer_drain_s):  # a down Redis: retried that long
+            log.warning("exiting with %d unsent results", self.writer.unsent_finals())
         with contextlib.suppress(*REDIS_DOWN):
             self.store.r.delete(self.store.keys.worker(self.cfg.worker_id))
         log.info("worker %s stopped", self.cfg.worker_id)
         return 0
-
-    def _close_writer(self) -> None:
-        """Let the writer write what it holds (a down Redis retried for ``writer_drain_s``)."""
-        if not self.writer.close(self.cfg.writer_drain_s):
-            log.warning("exiting with %d unsent results", self.writer.unsent_finals())
 
 
 # ------------------------------------------------------------------------------- CLI
