@@ -109,15 +109,23 @@ def run_offline(eng: Engine, wl: Workload, tag: str) -> float:
 
 
 def start_worker(
-    url: str, model: Path, args: argparse.Namespace, log: Path, tree: Path | None = None
+    url: str,
+    model: Path,
+    args: argparse.Namespace,
+    log: Path,
+    extra: tuple[str, ...] = (),
+    tree: Path | None = None,
 ) -> subprocess.Popen:
-    """A real worker process; with ``tree``, one running that source tree (``PYTHONPATH``)."""
+    """A ``pagedserve worker`` process (id ``bench``) with the bench's engine options plus
+    ``extra`` flags, once its first heartbeat is in; with ``tree``, one running that source
+    tree (``PYTHONPATH``, and started in it)."""
     env = dict(os.environ, **{URL_ENV: url, PREFIX_ENV: DEFAULT_PREFIX})
     env.setdefault("OMP_NUM_THREADS", str(args.threads))
     if tree is not None:
         env["PYTHONPATH"] = str(tree)
     cmd = [sys.executable, "-m", "stack", "worker", "--model", str(model),
            "--worker-id", "bench", "--log-level", "WARNING", *engine_options(args)]  # fmt: skip
+    cmd += extra
     with log.open("wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=tree)
     store = JobStore(url)
@@ -252,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
             if system == "baseline" and tree is None:
                 continue
             url = stack.enter_context(LocalRedisServer()).url
-            proc = start_worker(url, model, args, work / f"{system}.log", tree)
+            proc = start_worker(url, model, args, work / f"{system}.log", tree=tree)
             stack.callback(proc.wait, 60)
             stack.callback(proc.terminate)
             workers[system] = (url, proc.pid)
