@@ -36,6 +36,17 @@ class ServiceConfig:
     # found jobs is repeated at once); new work waits at most this long for a busy worker.
     claim_interval_s: float = 0.05
     throughput_window_s: float = 10.0
+    # Bulk admission: "prefix" (prefix-aware, worker/admission.py) or "fcfs" (arrival order).
+    admission: str = "prefix"
+    admission_window: int = 2048  # bulk entries looked ahead over per admission round
+    # A bulk job passed over (in the window, not taken) this long goes to whichever worker asks
+    # first (aging): the bound on how long prefix grouping may delay a job.
+    admission_max_wait_ms: int = 120_000
+    # A group whose owner took none of its jobs this long, while its oldest waited as long, is
+    # handed to a worker with a free group slot (its owner is busy).
+    admission_steal_ms: int = 5_000
+    affinity_ttl_ms: int = 10_000  # a prefix affinity lapses unless its worker refreshes it
+    prefix_groups: int = 0  # groups served at once; 0: as many prefixes as the KV pool holds
 
     @property
     def renew_interval_s(self) -> float:
@@ -77,6 +88,12 @@ def parse_args(argv: Sequence[str] | None, description: str = DESCRIPTION) -> ar
     s.add_argument("--max-deliveries", type=int, default=3)
     s.add_argument("--grace-s", type=float, default=30.0)
     s.add_argument("--progress-interval-ms", type=float, default=50.0)
+    s.add_argument("--admission", choices=("prefix", "fcfs"), default="prefix")
+    s.add_argument("--admission-window", type=int, default=2048)
+    s.add_argument("--admission-max-wait-ms", type=int, default=120_000)
+    s.add_argument("--admission-steal-ms", type=int, default=5_000)
+    s.add_argument("--affinity-ttl-ms", type=int, default=10_000)
+    s.add_argument("--prefix-groups", type=int, default=0)
     s.add_argument("--log-level", default="INFO")
     return ap.parse_args(argv)
 
@@ -106,4 +123,10 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
         max_deliveries=args.max_deliveries,
         grace_s=args.grace_s,
         progress_interval_s=args.progress_interval_ms / 1e3,
+        admission=args.admission,
+        admission_window=args.admission_window,
+        admission_max_wait_ms=args.admission_max_wait_ms,
+        admission_steal_ms=args.admission_steal_ms,
+        affinity_ttl_ms=args.affinity_ttl_ms,
+        prefix_groups=args.prefix_groups,
     )
