@@ -180,9 +180,26 @@ def test_a_group_whose_owner_is_busy_moves_after_the_steal_bound(redis_url: str)
     time.sleep(0.5)  # A (busy) took none of the group's jobs for longer than the bound
     got, claimed, _ = admit(store, "B", 4, steal_ms=400)
     assert got == ["a1"] and claimed == [sa]
-    # A learns at its next round that the group moved, and takes none of its jobs.
-    assert admit(store, "A", 4, steal_ms=400, warm={sa: 0}) == ([], [], [sa])
-    assert admit(store, "B", 4, steal_ms=400, warm={sa: 1})[0] == ["a2", "a3"]
+    assert store.affinities() == {sa: "B"}
+    assert admit(store, "B", 1, steal_ms=400, warm={sa: 1})[0] == ["a2"]
+    # A learns at its next round that the group moved (with it cached, it may still help).
+    got, claimed, lost = admit(store, "A", 1, steal_ms=400, warm={sa: 0})
+    assert got == ["a3"] and claimed == [] and lost == [sa]
+    assert store.affinities() == {sa: "B"}
+
+
+def test_an_idle_worker_helps_with_a_busy_workers_backlog(redis_url: str) -> None:
+    store = JobStore(redis_url)
+    pre = prefixes(1)
+    sa = sig_of(pre[0])
+    enqueue(store, "a" * 8, pre)
+    assert admit(store, "A", 1)[0] == ["a0"]
+    # B has nothing of its own: it pilots A's group (7 waiting), without taking it over...
+    assert admit(store, "B", 4) == (["a1"], [], [])
+    assert admit(store, "B", 4, warming=[sa]) == ([], [], [sa])  # [sa]: owned by another
+    # ...and once warm it takes the group's jobs with its spare capacity.
+    assert admit(store, "B", 4, warm={sa: 1})[0] == ["a2", "a3", "a4", "a5"]
+    assert store.affinities() == {sa: "A"}
 
 
 def test_entries_of_deleted_or_cancelled_jobs_leave_the_window(redis_url: str) -> None:
@@ -230,8 +247,9 @@ def test_kill9_with_admission_every_job_exactly_once(
     prompts = [pre[random.Random(i).randrange(4)] + [4 + i % 400] for i in range(200)]
     ids = client.submit_many(prompts, {**SHORT, "max_tokens": 24}, priority="bulk")
     opts = ("--max-num-seqs", "16", "--affinity-ttl-ms", "1000", "--admission-steal-ms", "1000")
-    a = start_worker(redis_url, model_dir, "a", *opts)
-    b = start_worker(redis_url, model_dir, "b", *opts)
+    a = start_worker(redis_url, model_dir, "a", *opts, ready=False)
+    b = start_worker(redis_url, model_dir, "b", *opts, ready=False)
+    a.wait_ready(120), b.wait_ready(120)
 
     def mid_run() -> bool:
         st = client.store.statuses(ids)

@@ -106,7 +106,7 @@ class PrefixAdmission:
         self._update()
         warm = {g.sig: len(g.running) for g in self.groups.values()
                 if g.pilot is None and (g.owned or g.blocks > 0)}  # fmt: skip
-        warming = [g.sig for g in self.groups.values() if g.owned and g.pilot is not None]
+        warming = [g.sig for g in self.groups.values() if g.pilot is not None]
         c = self.cfg
         return AdmissionRequest(
             window=c.admission_window, max_wait_ms=c.admission_max_wait_ms,
@@ -127,12 +127,9 @@ class PrefixAdmission:
         for sig in got.lost:
             if sig in self.groups:
                 self.groups[sig].owned = False
-        new = set()
         for sig in got.claimed:
-            g = self._group(sig)
-            g.owned = True
-            if g.blocks == 0 and not g.running:
-                new.add(sig)  # its first job here fills the cache: the pilot
+            self._group(sig).owned = True
+        new = set(got.piloted)  # their first job here fills the cache: the pilot
         for lease in got.leases:
             sig = got.signatures.get(lease.job_id)
             if sig is None:

@@ -36,12 +36,15 @@ class AdmissionRequest:
 
 @dataclass(frozen=True)
 class Admitted:
-    """What an admission round took: leases, the groups now this worker's, the groups lost."""
+    """What an admission round took: leases, the groups now this worker's, the groups it named
+    (warm or warming) that another worker owns (taken over, or helped with), and the groups whose
+    first job here (the pilot) was taken."""
 
     leases: list[Lease]
     signatures: dict[str, str]  # job id -> signature, for the jobs leased
     claimed: list[str]
     lost: list[str]
+    piloted: list[str] = field(default_factory=list)
 
 
 class Admission(StoreBase):
@@ -53,7 +56,7 @@ class Admission(StoreBase):
         """Take up to ``max_jobs`` bulk jobs chosen by prefix (one script call) and lease them
         (one pipelined round trip)."""
         if max_jobs <= 0:
-            return Admitted([], {}, [], [])
+            return Admitted([], {}, [], [], [])
         self.ensure_groups()
         stream = self.keys.stream("bulk")
         args: list[Any] = [
@@ -65,11 +68,11 @@ class Admission(StoreBase):
         args += [len(req.warming), *req.warming]
         keys = [stream, self.keys.affinity, self.keys.affinity_expiry, self.keys.window_since]
         reply = self._exec([("admission", keys, args)])[0]
-        *picked, claimed, lost = reply
+        *picked, claimed, lost, piloted = reply
         entries: list[Entry] = [(stream, eid, job) for eid, job, _ in picked]
         sigs = {job: sig for _, job, sig in picked if sig}
         leases = self._lease_entries(consumer, entries)
-        return Admitted(leases, sigs, list(claimed), list(lost))
+        return Admitted(leases, sigs, list(claimed), list(lost), list(piloted))
 
     def refresh_affinity(
         self, consumer: str, keep: Sequence[str], drop: Sequence[str], ttl_ms: int

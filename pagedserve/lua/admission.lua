@@ -15,13 +15,18 @@
 -- (2) entries of the worker's warm groups; (3) in window order, jobs without a signature and the
 -- first job (a pilot, whose prefill fills the cache) of each new group while a slot is free;
 -- (4) the pilot of a group whose owner took none of its jobs for steal ms while its oldest entry
--- waited that long: its owner is busy, the group is handed over.
--- Returns {{entry id, job id, signature}..., claimed signatures, lost signatures}.
+-- waited that long: its owner is busy, the group is handed over; (5) with capacity left, help:
+-- jobs of other workers' groups this worker has warm too, and the pilot of one with a backlog
+-- (at least HELP_BACKLOG entries) while a slot is free. A helper computes the prefix once more,
+-- still once per worker that serves it; the group stays its owner's.
+-- Returns {{entry id, job id, signature}..., claimed signatures, lost signatures, signatures
+-- piloted (new to this worker)}.
 local stream, aff, exp, since = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local group, win, me = ARGV[1], ARGV[2], ARGV[3]
 local size, want = tonumber(ARGV[4]), tonumber(ARGV[5])
 local max_wait, steal, ttl = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
 local slots = tonumber(ARGV[9])
+local HELP_BACKLOG = 4
 local warm, running, warming = {}, {}, {}
 local a = 10
 for _ = 1, tonumber(ARGV[a]) do
@@ -123,18 +128,20 @@ if #sigs > 0 then
   end
 end
 
--- Group slots: a warming group, or a warm one with running jobs or window entries, holds one.
+-- Group slots: a warming group, or a warm one with running jobs or window entries, holds one
+-- (whoever owns it: a group this worker helps with counts too).
 local busy, lost = 0, {}
 for _, s in ipairs(sigs) do
   if owner[s] ~= nil and owner[s] ~= me and (warm[s] or warming[s]) then
     lost[#lost + 1] = s
-  elseif warming[s] or (warm[s] and ((running[s] or 0) > 0 or count[s])) then
+  end
+  if warming[s] or (warm[s] and ((running[s] or 0) > 0 or count[s])) then
     busy = busy + 1
   end
 end
 local free_slots = slots - busy
 
-local taken, took, touched, claimed, piloted = {}, {}, {}, {}, {}
+local taken, took, touched, claimed, piloted, pilots = {}, {}, {}, {}, {}, {}
 local function take(k)
   taken[#taken + 1] = k
   took[k] = true
@@ -146,11 +153,12 @@ local function serve(s)  -- this worker owns group s from now on and has just ta
   end
   touched[s] = true
 end
-local function pilot(k, s)
+local function pilot(k, s, own)
   if free_slots > 0 and not piloted[s] then
     piloted[s] = true
+    pilots[#pilots + 1] = s
     free_slots = free_slots - 1
-    serve(s)
+    if own then serve(s) end
     take(k)
   end
 end
@@ -174,7 +182,7 @@ for k, it in ipairs(items) do  -- (3) unsigned jobs and new groups
     if s == '' then
       take(k)
     elseif owner[s] == nil and not warming[s] and not warm[s] then
-      pilot(k, s)
+      pilot(k, s, true)
     end
   end
 end
@@ -183,7 +191,18 @@ for k, it in ipairs(items) do  -- (4) groups whose owner is busy
   local s = it[3]
   if not took[k] and s ~= '' and owner[s] ~= nil and owner[s] ~= me and not piloted[s]
       and now - it[4] >= steal and now - (served[s] or 0) >= steal then
-    pilot(k, s)
+    pilot(k, s, true)
+  end
+end
+for k, it in ipairs(items) do  -- (5) help other workers' groups
+  if #taken >= want then break end
+  local s = it[3]
+  if not took[k] and s ~= '' and owner[s] ~= nil and owner[s] ~= me and not warming[s] then
+    if warm[s] then
+      take(k)
+    elseif (count[s] or 0) >= HELP_BACKLOG then
+      pilot(k, s, false)
+    end
   end
 end
 
@@ -209,4 +228,5 @@ if #ids > 0 then
 end
 out[#out + 1] = claimed
 out[#out + 1] = lost
+out[#out + 1] = pilots
 return out
