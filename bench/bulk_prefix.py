@@ -133,9 +133,13 @@ def submit(store: JobStore, jobs: list[tuple[int, list[int]]], s: Setup) -> list
 
 def wait_done(store: JobStore, ids: list[str], on_progress: Any, timeout: float) -> None:
     deadline = time.monotonic() + timeout
+    last_note = time.monotonic()
     while time.monotonic() < deadline:
         done = sum(st.terminal for st in store.statuses(ids))
         on_progress(done)
+        if time.monotonic() - last_note > 10:
+            last_note = time.monotonic()
+            print(f"bulk_prefix: {done}/{len(ids)} done", file=sys.stderr, flush=True)
         if done == len(ids):
             return
         time.sleep(0.2)
