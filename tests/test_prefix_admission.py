@@ -55,7 +55,10 @@ def sig_of(pre: list[int]) -> str:
     return got.sig
 
 
-def admit(store: JobStore, who: str, n: int, **kw: object) -> tuple[list[str], list[str], list[str]]:
+Round = tuple[list[str], list[str], list[str]]
+
+
+def admit(store: JobStore, who: str, n: int, **kw: object) -> Round:
     """(job ids leased, signatures claimed, signatures lost) of one admission round."""
     args = {**BASE, "slots": 1, **kw}
     got = store.admit_bulk(who, n, AdmissionRequest(**args))  # type: ignore[arg-type]
@@ -298,19 +301,22 @@ def test_pool_and_metrics_show_cached_prefixes(
     assert sum(g["hits"] for g in groups.values()) >= 20  # all but each group's first jobs
     assert all(g["blocks"] == 4 for g in groups.values())  # 64-token prefixes, 16-token blocks
     text = api.get("/metrics").get_data(as_text=True)
-    ratio = [ln for ln in text.splitlines() if ln.startswith('pagedserve:prefix_cache_hit_ratio{')]
+    ratio = [ln for ln in text.splitlines() if ln.startswith("pagedserve:prefix_cache_hit_ratio{")]
     assert len(ratio) == 1 and float(ratio[0].split()[-1]) > 0.5
     assert "pagedserve:prefix_cache_hit_ratio_fleet " in text
     assert 'pagedserve:prefix_groups_cached{worker="w"} 2.0' in text
 
 
 def test_bench_quick_run(model_dir: Path) -> None:
-    cmd = [sys.executable, "-m", "bench.bulk_prefix", "--quick", "--model", str(model_dir)]
+    """The benchmark end to end, small (its killed-worker run is left out here: exactly once
+    under kill -9 with admission is the test above)."""
+    cmd = [sys.executable, "-m", "bench.bulk_prefix", "--quick", "--no-kill"]
+    cmd += ["--model", str(model_dir)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600)
     line = json.loads(out.stdout.strip().splitlines()[-1])
     assert line["bench"] == "bulk_prefix" and "cpu_flags" in line
     for mode in ("fcfs", "prefix"):
-        assert line[mode]["succeeded"] == line["setup"]["jobs"]
-    kill = line["killed_run"]
-    assert kill["all_succeeded_once"] and kill["pending_left"] == 0
-    assert kill["succeeded"] == line["setup"]["jobs"]
+        got = line[mode]
+        assert got["succeeded"] == line["setup"]["jobs"]
+        assert 0.0 <= got["hit_rate"] <= got["ideal_hit_rate"] + 1e-9 <= 1.0 + 1e-9
+    assert line["killed_run"] is None
