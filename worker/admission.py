@@ -91,7 +91,10 @@ class PrefixAdmission:
     # ----------------------------------------------------------------- claim
     def claim(self, store: JobStore, consumer: str, cap: int, block_ms: int) -> list[Lease]:
         """Interactive (and own pending) entries as before, then bulk by prefix; when nothing
-        came, wait ``block_ms`` for interactive work."""
+        came, wait ``block_ms`` for interactive work. With ``admission = "fcfs"``: the plain claim
+        (arrival order, interactive first)."""
+        if self.cfg.admission == "fcfs":
+            return store.claim(consumer, cap, block_ms)
         leases = store.claim(consumer, cap, 0, priorities=("interactive",))
         rest = cap - len(leases)
         if rest > 0:
@@ -215,6 +218,13 @@ class PrefixAdmission:
                 g.owned = False
         for sig in store.refresh_affinity(consumer, keep, drop, self.cfg.affinity_ttl_ms):
             self.groups[sig].owned = False
+
+    def release_all(self, store: JobStore, consumer: str) -> None:
+        """Give up every affinity (the worker stops): its groups move at once, not at lapse."""
+        owned = [g.sig for g in self.groups.values() if g.owned]
+        store.refresh_affinity(consumer, [], owned, self.cfg.affinity_ttl_ms)
+        for g in self.groups.values():
+            g.owned = False
 
     def telemetry(self) -> list[PrefixGroup]:
         return [g.telemetry() for g in reversed(self.groups.values())]

@@ -92,8 +92,7 @@ class Worker:
         self.last_claim = self.last_reclaim = self.last_renew = self.last_hb = 0.0
         self.telemetry = ServiceTelemetry(cfg.throughput_window_s)
         self.pretok = Pretokenizer.for_engine(engine)  # text and chat prompts: off the loop
-        prefix_aware = cfg.admission == "prefix"
-        self.admission = PrefixAdmission(cfg, engine, self.jobs) if prefix_aware else None
+        self.admission = PrefixAdmission(cfg, engine, self.jobs)  # which jobs to claim
 
     # ----------------------------------------------------------------- signals
     def request_stop(self, *_: object) -> None:
@@ -223,10 +222,7 @@ class Worker:
         if busy and now - self.last_claim < self.cfg.claim_interval_s:
             return
         block = 0 if busy else self.cfg.idle_block_ms
-        if self.admission is not None:  # bulk by prefix (worker/admission.py)
-            got = self._redis(self.admission.claim, self.store, self.cfg.worker_id, cap, block)
-        else:
-            got = self._redis(self.store.claim, self.cfg.worker_id, cap, block)
+        got = self._redis(self.admission.claim, self.store, self.cfg.worker_id, cap, block)
         self.last_claim = 0.0 if got else now
         self._admit(got)
 
@@ -260,8 +256,7 @@ class Worker:
 
     def _finish(self, st: JobState, out: RequestOutput) -> None:
         self.jobs.pop(st.lease.job_id, None)
-        if self.admission is not None:
-            self.admission.finished(st.lease.job_id, out)
+        self.admission.finished(st.lease.job_id, out)
         self.unsent_progress += st.take_progress()
         self.telemetry.e2e.observe(max(0.0, self.guard.now() - st.created_at))
         lease = st.lease
@@ -336,12 +331,11 @@ class Worker:
             engine=self.engine.heartbeat_stats(),
             jobs=self.jobs,
             context=self.pretok.context,
-            prefixes=self.admission.telemetry() if self.admission is not None else (),
+            prefixes=self.admission.telemetry(),
         )
 
     def _heartbeat(self) -> None:
-        if self.admission is not None:
-            self._redis(self.admission.refresh, self.store, self.cfg.worker_id)
+        self._redis(self.admission.refresh, self.store, self.cfg.worker_id)
         hb = self.heartbeat_model()
         ttl = max(5, int(self.cfg.heartbeat_s * 10))
         self._redis(self.store.heartbeat, self.cfg.worker_id, hb.model_dump(mode="json"), ttl)
@@ -367,6 +361,7 @@ class Worker:
                 time.sleep(self.guard.wait_s())
         with contextlib.suppress(*REDIS_DOWN):
             self.store.r.delete(self.store.keys.worker(self.cfg.worker_id))
+            self.admission.release_all(self.store, self.cfg.worker_id)
         log.info("worker %s stopped", self.cfg.worker_id)
         return 0
 
