@@ -99,7 +99,7 @@ class Fleet:
             with (logs / f"{mode}-{wid}.log").open("ab") as f:
                 self.procs[wid] = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
 
-    def wait_ready(self, store: JobStore, timeout: float = 120.0) -> None:
+    def wait_ready(self, store: JobStore, timeout: float = 600.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             live = store.workers()

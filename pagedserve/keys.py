@@ -12,7 +12,7 @@ Layout (prefix ``ps`` by default)::
     ps:cancel:{consumer}    set    job ids a worker must abort at its next step
     ps:affinity             hash   prefix signature -> the worker that holds its prefix cached
     ps:affinity:expiry      zset   prefix signature -> when that affinity lapses (ms, Redis clock)
-    ps:window:since         hash   bulk entry id -> when it entered the admission window (ms)
+    ps:window               hash   bulk entry id in the admission window -> 'entered ms|sig|job id'
     ps:batch:{id}[:...]     batch hash and its lists and sets (see pagedserve.batches)
     ps:bidem:{batch}:{hash} string a batch request's idempotency key (fan-out only)
     ps:file:{id}[:chunks]   hash   file meta (and content), list of content chunks
@@ -98,9 +98,9 @@ class Keys:
         return f"{self.prefix}:affinity:expiry"
 
     @property
-    def window_since(self) -> str:
-        """Hash: bulk entry id -> when it entered the admission window (ms, Redis clock)."""
-        return f"{self.prefix}:window:since"
+    def window(self) -> str:
+        """Hash: bulk entry id in the admission window -> ``entered ms|signature|job id``."""
+        return f"{self.prefix}:window"
 
     # ------------------------------------------------------------------ batches and files
     def batch(self, batch_id: str) -> str:

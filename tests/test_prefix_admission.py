@@ -25,7 +25,13 @@ from pagedserve.telemetry import WorkerHeartbeat
 from tests.api_fixtures import make_app
 from tests.fixtures.workers import StartWorker, wait_for
 
-BASE = {"window": 1000, "max_wait_ms": 600_000, "steal_ms": 600_000, "affinity_ttl_ms": 60_000}
+BASE = {
+    "window": 1000,
+    "max_wait_ms": 600_000,
+    "steal_ms": 600_000,
+    "affinity_ttl_ms": 60_000,
+    "touch_ms": 5_000,
+}
 SHORT = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
 
 
@@ -205,7 +211,7 @@ def test_an_idle_worker_helps_with_a_busy_workers_backlog(redis_url: str) -> Non
     assert store.affinities() == {sa: "A"}
 
 
-def test_entries_of_deleted_or_cancelled_jobs_leave_the_window(redis_url: str) -> None:
+def test_entries_of_cancelled_or_deleted_jobs_leave_the_window(redis_url: str) -> None:
     client = Client(redis_url)
     store = client.store
     pre = prefixes(1)
@@ -214,13 +220,24 @@ def test_entries_of_deleted_or_cancelled_jobs_leave_the_window(redis_url: str) -
     got, _, _ = admit(store, "A", 3)
     assert got == []  # the pilot was the cancelled job: skipped at lease, acked
     assert store.window_length() == 3
-    # An entry deleted from the stream while in the window is acked by the next round.
-    last = store.r.xrange(store.keys.stream("bulk"))[-1][0]
-    store.r.xdel(store.keys.stream("bulk"), last)
+    # A job whose record is gone while its entry is in the window: acked, not leased.
+    store.r.delete(store.keys.job(ids[3]))
     sa = sig_of(pre[0])
     assert admit(store, "A", 3, warm={sa: 0})[0] == ids[1:3]
     assert store.window_length() == 0
-    assert store.r.hlen(store.keys.window_since) == 0
+    assert store.r.hlen(store.keys.window) == 0
+
+
+def test_admission_keeps_window_entries_from_reclaim(redis_url: str) -> None:
+    """Entries waiting in the window are no dead worker's: while admission rounds run, their idle
+    time is reset, so reclaim (XAUTOCLAIM) does not take them out of prefix order."""
+    store = JobStore(redis_url)
+    enqueue(store, "aaa", prefixes(1))
+    assert admit(store, "A", 4, slots=0, touch_ms=100)[0] == []
+    time.sleep(0.3)
+    assert admit(store, "A", 4, slots=0, touch_ms=100)[0] == []  # resets their idle time
+    assert store.reclaim("C", 250, 10) == []
+    assert store.window_length() == 3
 
 
 # ------------------------------------------------------------------------------- real workers

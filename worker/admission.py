@@ -114,7 +114,7 @@ class PrefixAdmission:
         return AdmissionRequest(
             window=c.admission_window, max_wait_ms=c.admission_max_wait_ms,
             steal_ms=c.admission_steal_ms, affinity_ttl_ms=c.affinity_ttl_ms,
-            slots=self.slots(), warm=warm, warming=warming,
+            slots=self.slots(), touch_ms=max(1, c.reclaim_ms // 3), warm=warm, warming=warming,
         )  # fmt: skip
 
     def slots(self) -> int:

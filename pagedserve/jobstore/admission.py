@@ -30,6 +30,7 @@ class AdmissionRequest:
     steal_ms: int  # a group whose owner took none of its jobs this long is handed over
     affinity_ttl_ms: int  # how long an affinity lasts unless refreshed
     slots: int  # most groups this worker serves at once (what its KV pool holds)
+    touch_ms: int  # window entries idle this long get their idle time reset (below reclaim's)
     warm: Mapping[str, int] = field(default_factory=dict)  # signature -> running jobs
     warming: Sequence[str] = ()  # signatures whose first job's prefill is not done
 
@@ -61,12 +62,12 @@ class Admission(StoreBase):
         stream = self.keys.stream("bulk")
         args: list[Any] = [
             GROUP, WINDOW_CONSUMER, consumer, req.window, max_jobs, req.max_wait_ms,
-            req.steal_ms, req.affinity_ttl_ms, req.slots, len(req.warm),
+            req.steal_ms, req.affinity_ttl_ms, req.slots, req.touch_ms, len(req.warm),
         ]  # fmt: skip
         for sig, running in req.warm.items():
             args += [sig, running]
         args += [len(req.warming), *req.warming]
-        keys = [stream, self.keys.affinity, self.keys.affinity_expiry, self.keys.window_since]
+        keys = [stream, self.keys.affinity, self.keys.affinity_expiry, self.keys.window]
         reply = self._exec([("admission", keys, args)])[0]
         *picked, claimed, lost, piloted = reply
         entries: list[Entry] = [(stream, eid, job) for eid, job, _ in picked]

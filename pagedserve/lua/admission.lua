@@ -1,15 +1,16 @@
 -- Prefix-aware admission of bulk jobs: look ahead over a bounded window of the bulk stream and
 -- pick what this worker should run. O(window) work, one call per admission round.
--- KEYS: bulk stream, affinity hash, affinity expiry zset, window-since hash (entry id -> ms it
---       entered the window: how long it has been passed over)
+-- KEYS: bulk stream, affinity hash, affinity expiry zset, window meta hash (entry id -> 'entered
+--       ms|signature|job id'; entered: when it came into the window, how long it was passed over)
 -- ARGV: group, window consumer, worker, window size, most entries to take, max wait ms (aging),
---       steal ms, affinity ttl ms, group slots, n, n x (signature, running jobs) of the worker's
---       warm groups, m, m x signature of its warming groups (a first job's prefill not done)
+--       steal ms, affinity ttl ms, group slots, touch ms, n, n x (signature, running jobs) of the
+--       worker's warm groups, m, m x signature of its warming groups (a first job's prefill is
+--       not done)
 -- The window is the pending list of the window consumer: entries read ahead (XREADGROUP) but not
--- yet taken. Reading it back (XREADGROUP from 0) also resets their idle time, so reclaim
--- (XAUTOCLAIM, for dead workers) leaves them alone while admission runs. Taken entries move to the
--- worker's own pending list (XCLAIM) and are leased as before (lease.lua): delivery, fencing,
--- reclaim and cancel are those of any entry; only the order differs.
+-- yet taken. Taken entries move to the worker's own pending list (XCLAIM) and are leased as before
+-- (lease.lua): delivery, fencing, reclaim and cancel are those of any entry; only the order
+-- differs. Work per round: XPENDING and HMGET over the window (no entry bodies re-read), the
+-- choice below, and XCLAIM of what is taken and of entries idle for touch ms.
 -- Order of choice: (1) entries passed over (in the window) >= max wait, oldest first, whoever
 -- owns their group;
 -- (2) entries of the worker's warm groups; (3) in window order, jobs without a signature and the
@@ -21,14 +22,14 @@
 -- still once per worker that serves it; the group stays its owner's.
 -- Returns {{entry id, job id, signature}..., claimed signatures, lost signatures, signatures
 -- piloted (new to this worker)}.
-local stream, aff, exp, since = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local stream, aff, exp, meta_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local group, win, me = ARGV[1], ARGV[2], ARGV[3]
 local size, want = tonumber(ARGV[4]), tonumber(ARGV[5])
 local max_wait, steal, ttl = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
-local slots = tonumber(ARGV[9])
+local slots, touch_ms = tonumber(ARGV[9]), tonumber(ARGV[10])
 local HELP_BACKLOG = 4
 local warm, running, warming = {}, {}, {}
-local a = 10
+local a = 11
 for _ = 1, tonumber(ARGV[a]) do
   warm[ARGV[a + 1]] = true
   running[ARGV[a + 1]] = tonumber(ARGV[a + 2])
@@ -47,75 +48,80 @@ if #lapsed > 0 then
   redis.call('ZREM', exp, unpack(lapsed))
 end
 
-local function read(from, count)
-  if count <= 0 then
-    return {}
-  end
-  local r = redis.call('XREADGROUP', 'GROUP', group, win, 'COUNT', count, 'STREAMS', stream, from)
-  if not r or not r[1] then
-    return {}
-  end
-  return r[1][2]
+-- The window, oldest first: the window consumer's pending entries (XPENDING: ids and idle times,
+-- no entry bodies), with each entry's 'entered ms|signature|job id' from the meta hash.
+local pend = redis.call('XPENDING', stream, group, '-', '+', size, win)
+local ids, idle = {}, {}
+for i, p in ipairs(pend) do
+  ids[i] = p[1]
+  idle[i] = tonumber(p[3])
 end
-local entries = read('0', size)
-local fresh = {}
-for _, e in ipairs(read('>', size - #entries)) do
-  entries[#entries + 1] = e
-  fresh[#fresh + 1] = e[1]
-  fresh[#fresh + 1] = now
-end
-if #fresh > 0 then
-  call_chunked('HSET', {since}, fresh)
+local meta = call_chunked('HMGET', {meta_key}, ids)
+if #ids < size then  -- top up with new entries
+  local r = redis.call('XREADGROUP', 'GROUP', group, win, 'COUNT', size - #ids, 'STREAMS', stream,
+    '>')
+  local fresh, gone = {}, {}
+  for _, e in ipairs((r and r[1] and r[1][2]) or {}) do
+    local job, sig = nil, ''
+    for k = 1, #e[2], 2 do
+      if e[2][k] == 'job' then job = e[2][k + 1] elseif e[2][k] == 'sig' then sig = e[2][k + 1] end
+    end
+    if job == nil then
+      gone[#gone + 1] = e[1]
+    else
+      local m = now .. '|' .. sig .. '|' .. job
+      local n = #ids + 1
+      ids[n] = e[1]
+      idle[n] = 0
+      meta[n] = m
+      fresh[#fresh + 1] = e[1]
+      fresh[#fresh + 1] = m
+    end
+  end
+  if #gone > 0 then call_chunked('XACK', {stream, group}, gone) end
+  if #fresh > 0 then call_chunked('HSET', {meta_key}, fresh) end
 end
 
--- items: {entry id, job id, signature, ms it entered the window}; entries without a job are
--- acked here.
-local items, gone, count, sigs = {}, {}, {}, {}
-for _, e in ipairs(entries) do
-  local job, sig = nil, ''
-  for k = 1, #(e[2] or {}), 2 do
-    if e[2][k] == 'job' then job = e[2][k + 1] elseif e[2][k] == 'sig' then sig = e[2][k + 1] end
+-- items: {entry id, job id, signature, ms it entered the window}. An entry without meta (read
+-- into the window some other way) gets it from the stream; one deleted from the stream is acked.
+local items, count, sigs, touch, gone = {}, {}, {}, {}, {}
+for i, id in ipairs(ids) do
+  local m = meta[i]
+  if not m then
+    local e = redis.call('XRANGE', stream, id, id)[1]
+    local job, sig = nil, ''
+    for k = 1, #((e and e[2]) or {}), 2 do
+      if e[2][k] == 'job' then job = e[2][k + 1] elseif e[2][k] == 'sig' then sig = e[2][k + 1] end
+    end
+    if job then
+      m = now .. '|' .. sig .. '|' .. job
+      redis.call('HSET', meta_key, id, m)
+    end
   end
-  if job == nil then
-    gone[#gone + 1] = e[1]
-  else
-    items[#items + 1] = {e[1], job, sig, now}
+  if m then
+    local at, sig, job = string.match(m, '^(%d+)|([^|]*)|(.*)$')
+    items[#items + 1] = {id, job, sig, tonumber(at)}
     if sig ~= '' then
       if not count[sig] then sigs[#sigs + 1] = sig end
       count[sig] = (count[sig] or 0) + 1
     end
+    if idle[i] >= touch_ms then touch[#touch + 1] = id end
+  else
+    gone[#gone + 1] = id
   end
 end
-if #gone > 0 then
-  call_chunked('XACK', {stream, group}, gone)
-  call_chunked('HDEL', {since}, gone)
-end
-do
-  local ids = {}
-  for i, it in ipairs(items) do ids[i] = it[1] end
-  local at = call_chunked('HMGET', {since}, ids)
-  local unset = {}
-  for i, it in ipairs(items) do
-    it[4] = tonumber(at[i])
-    if not it[4] then
-      it[4] = now
-      unset[#unset + 1] = it[1]
-      unset[#unset + 1] = now
-    end
+if #gone > 0 then call_chunked('XACK', {stream, group}, gone) end
+-- Reset the idle time of entries waiting long in the window, so that reclaim (XAUTOCLAIM, for dead
+-- workers' entries) leaves them alone: each entry about once per touch ms, still the window's.
+if #touch > 0 then call_chunked('XCLAIM', {stream, group, win, 0}, touch, {'JUSTID'}) end
+-- Entries that left the window otherwise (reclaimed after a long pause) leave stale meta.
+if redis.call('HLEN', meta_key) > #items + 1000 then
+  local keep, stale = {}, {}
+  for _, it in ipairs(items) do keep[it[1]] = true end
+  for _, id in ipairs(redis.call('HKEYS', meta_key)) do
+    if not keep[id] then stale[#stale + 1] = id end
   end
-  if #unset > 0 then
-    call_chunked('HSET', {since}, unset)
-  end
-  -- Entries that left the window otherwise (reclaimed after a long pause) leave stale fields.
-  if redis.call('HLEN', since) > #items + 1000 then
-    local keep = {}
-    for _, id in ipairs(ids) do keep[id] = true end
-    local stale = {}
-    for _, id in ipairs(redis.call('HKEYS', since)) do
-      if not keep[id] then stale[#stale + 1] = id end
-    end
-    call_chunked('HDEL', {since}, stale)
-  end
+  call_chunked('HDEL', {meta_key}, stale)
 end
 for s in pairs(warm) do if not count[s] then sigs[#sigs + 1] = s end end
 for s in pairs(warming) do if not count[s] and not warm[s] then sigs[#sigs + 1] = s end end
@@ -224,7 +230,7 @@ for _, k in ipairs(taken) do
 end
 if #ids > 0 then
   call_chunked('XCLAIM', {stream, group, me, 0}, ids, {'JUSTID'})
-  call_chunked('HDEL', {since}, ids)
+  call_chunked('HDEL', {meta_key}, ids)
 end
 out[#out + 1] = claimed
 out[#out + 1] = lost
