@@ -91,7 +91,7 @@ class PrefixAdmission:
     # ----------------------------------------------------------------- claim
     def claim(self, store: JobStore, consumer: str, cap: int, block_ms: int) -> list[Lease]:
         """Interactive (and own pending) entries as before, then bulk by prefix; when nothing
-        came, wait ``block_ms`` for interactive work. With ``admission = "fcfs"``: the plain claim
+        came, wait ``block_ms`` for new work. With ``admission = "fcfs"``: the plain claim
         (arrival order, interactive first)."""
         if self.cfg.admission == "fcfs":
             return store.claim(consumer, cap, block_ms)
@@ -102,7 +102,9 @@ class PrefixAdmission:
             self._took(got)
             leases += got.leases
         if not leases and block_ms > 0:
-            leases = store.claim(consumer, cap, block_ms, priorities=("interactive",))
+            # Idle: wait on both streams as the plain claim does, so that idle workers share new
+            # work (a blocked read delivers one entry each); later rounds go by prefix again.
+            leases = store.claim(consumer, cap, block_ms)
         return leases
 
     def request(self) -> AdmissionRequest:
