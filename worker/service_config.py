@@ -80,6 +80,10 @@ class ServiceConfig:
         default=0,
         metadata=opt("prefix groups served at once; 0: as many prefixes as the KV pool holds"),
     )
+    # While jobs run, the writer drains the cancel set with every write and at least this often.
+    cancel_poll_s: float = 0.025
+    # At exit, how long the writer may go on retrying writes that Redis has not taken yet.
+    writer_drain_s: float = 5.0
 
     def __post_init__(self) -> None:
         ms = (self.admission_max_wait_ms, self.admission_steal_ms, self.affinity_ttl_ms)
