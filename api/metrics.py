@@ -95,6 +95,36 @@ def worker_counters(views: list[WorkerView]) -> Iterator[Metric]:
     yield finished
 
 
+def prefix_series(views: list[WorkerView]) -> Iterator[Metric]:
+    """Prefix-cache hit ratio (hit / queried prompt tokens) per worker and over the fleet, and
+    the prefix groups each worker holds cached (prefix-aware admission, ``worker.admission``)."""
+    ratio = GaugeMetricFamily(
+        P + "prefix_cache_hit_ratio", "Prompt tokens served by the prefix cache / prompt tokens "
+        "looked up, since the worker started.", labels=["worker"]
+    )  # fmt: skip
+    for w in views:
+        pc = w.hb.prefix_cache
+        ratio.add_metric(
+            [w.hb.worker_id], pc.hit_tokens / pc.queried_tokens if pc.queried_tokens else 0.0
+        )
+    yield ratio
+    queried = sum(w.hb.prefix_cache.queried_tokens for w in views)
+    hits = sum(w.hb.prefix_cache.hit_tokens for w in views)
+    yield GaugeMetricFamily(
+        P + "prefix_cache_hit_ratio_fleet",
+        "The prefix-cache hit ratio over all live workers.",
+        value=hits / queried if queried else 0.0,
+    )
+    groups = GaugeMetricFamily(
+        P + "prefix_groups_cached",
+        "Prefix groups with blocks in the worker's cache.",
+        labels=["worker"],
+    )
+    for w in views:
+        groups.add_metric([w.hb.worker_id], sum(1 for g in w.hb.prefixes if g.blocks > 0))
+    yield groups
+
+
 def child_restarts(state: AppState) -> CounterMetricFamily:
     """Restarts of ``pagedserve up``'s children, counted by the supervisor in Redis."""
     fam = CounterMetricFamily(
@@ -156,6 +186,7 @@ class PagedServeCollector:
         yield GaugeMetricFamily(P + "num_workers", "Live workers.", value=len(views))
         yield from worker_gauges(views)
         yield from worker_counters(views)
+        yield from prefix_series(views)
         yield from tenant_series(self.usage)
         yield histogram("time_to_first_token_seconds", "Time to first token in seconds.",
                         views, "time_to_first_token_seconds")  # fmt: skip

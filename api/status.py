@@ -91,6 +91,8 @@ def pool_json(w: WorkerView) -> dict[str, Any]:
         "throughput_tok_s": hb.throughput_tok_s,
         "prefix_cache_hit_rate": hb.prefix_cache.hit_rate,
         "prefix_cache": hb.prefix_cache.model_dump(),
+        # Prefix-aware admission: the prefix groups this worker serves or served lately.
+        "prefixes": [g.model_dump() for g in hb.prefixes],
         "age_s": round(w.age_s, 3),
         "pool": None,
     }

@@ -10,6 +10,9 @@ Layout (prefix ``ps`` by default)::
     ps:worker:{id}          hash   a worker's heartbeat (with a TTL)
     ps:workers              zset   worker id -> last heartbeat time
     ps:cancel:{consumer}    set    job ids a worker must abort at its next step
+    ps:affinity             hash   prefix signature -> the worker that holds its prefix cached
+    ps:affinity:expiry      zset   prefix signature -> when that affinity lapses (ms, Redis clock)
+    ps:window               hash   bulk entry id in the admission window -> 'entered ms|sig|job id'
     ps:batch:{id}[:...]     batch hash and its lists and sets (see pagedserve.batches)
     ps:bidem:{batch}:{hash} string a batch request's idempotency key (fan-out only)
     ps:file:{id}[:chunks]   hash   file meta (and content), list of content chunks
@@ -32,6 +35,10 @@ PRIORITIES: tuple[Priority, ...] = ("interactive", "bulk")
 
 #: The one consumer group every worker joins.
 GROUP = "workers"
+
+#: The consumer of GROUP holding the bulk look-ahead window (``admission.lua``): bulk entries read
+#: ahead but not yet taken by a worker sit in its pending list. No process has this name.
+WINDOW_CONSUMER = "~window"
 
 #: The key prefix when none is given, and the environment variable every process reads it from.
 DEFAULT_PREFIX = PREFIX.default
@@ -80,6 +87,21 @@ class Keys:
 
     def cancel(self, consumer: str) -> str:
         return f"{self.cancel_prefix}{consumer}"
+
+    @property
+    def affinity(self) -> str:
+        """Hash: prefix signature -> id of the worker whose cache holds that prefix."""
+        return f"{self.prefix}:affinity"
+
+    @property
+    def affinity_expiry(self) -> str:
+        """Zset: prefix signature -> when its affinity lapses (ms; refreshed by the owner)."""
+        return f"{self.prefix}:affinity:expiry"
+
+    @property
+    def window(self) -> str:
+        """Hash: bulk entry id in the admission window -> ``entered ms|signature|job id``."""
+        return f"{self.prefix}:window"
 
     # ------------------------------------------------------------------ batches and files
     def batch(self, batch_id: str) -> str:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import redis
 
+from pagedserve.jobstore.admission import Admission, AdmissionRequest, Admitted
 from pagedserve.jobstore.base import _SCRIPTS, Call, StoreBase, _load_lua
 from pagedserve.jobstore.client_side import ClientSide
 from pagedserve.jobstore.commits import Commits
@@ -54,7 +55,7 @@ from pagedserve.schemas import TERMINAL_STATUSES
 from pagedserve.tenants import TAG_JOB, TenantBook
 
 
-class JobStore(ClientSide, Leasing, Commits, WorkerRegistry, StoreBase):
+class JobStore(ClientSide, Leasing, Admission, Commits, WorkerRegistry, StoreBase):
     """All job state transitions against one Redis (see the module docstring). The methods live
     in :mod:`pagedserve.jobstore` by side: client (enqueue/get/cancel), leasing
     (claim/reclaim/renew), commits (progress/finish/release), registry (heartbeats/queues)."""
@@ -102,6 +103,8 @@ __all__ = [
     "RESERVED_METADATA_KEYS",
     "TERMINAL_STATUSES",
     "TRANSIENT_REPLY_ERRORS",
+    "AdmissionRequest",
+    "Admitted",
     "BatchRef",
     "Call",
     "ClaimStats",

@@ -65,6 +65,20 @@ class PrefixCacheSnapshot(BaseModel):
     hit_rate: float = 0.0
 
 
+class PrefixGroup(BaseModel):
+    """One prefix group a worker has served (``worker.admission``): what its cache holds of it."""
+
+    signature: str  # pagedserve.prefix_sig signature
+    owned: bool = False  # this worker holds the group's affinity
+    warming: bool = False  # its first job's prefill is not done yet
+    blocks: int = 0  # KV blocks of the group's shared prefix cached now
+    jobs: int = 0  # jobs of the group finished here
+    hits: int = 0  # of which found a cached prefix
+    hit_tokens: int = 0  # prompt tokens served from the cache, over those jobs
+    prompt_tokens: int = 0
+    running: int = 0
+
+
 class RunningJob(BaseModel):
     id: str
     tokens: int  # generated so far (all completions of the job together)
@@ -105,6 +119,8 @@ class WorkerHeartbeat(BaseModel):
     prefix_cache: PrefixCacheSnapshot = Field(default_factory=PrefixCacheSnapshot)
     pool: PoolSnapshot | None = None
     jobs: list[RunningJob] = Field(default_factory=list)
+    # Prefix-aware admission: the groups this worker serves or served lately, most recent first.
+    prefixes: list[PrefixGroup] = Field(default_factory=list)
     time_to_first_token_seconds: Histogram = Field(default_factory=Histogram)
     e2e_request_latency_seconds: Histogram = Field(default_factory=Histogram)
     # The served model's context, for the API's length check (``api.jobs.check_context``):

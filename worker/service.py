@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 from pagedserve.keys import PREFIX_ENV
 from pagedserve.store import Finish, JobStore, Lease, Progress, StepResult, WriteError
 from pagedserve.telemetry import WorkerHeartbeat
+from worker.admission import PrefixAdmission
 from worker.job_state import JobState, partial_result, result_of
 from worker.outputs import RequestOutput, RequestRejected
 from worker.pretokenize import Pretokenizer
@@ -96,6 +97,7 @@ class Worker:
         self.last_claim = self.last_reclaim = self.last_renew = self.last_hb = 0.0
         self.telemetry = ServiceTelemetry(cfg.throughput_window_s)
         self.pretok = Pretokenizer.for_engine(engine)  # text and chat prompts: off the loop
+        self.admission = PrefixAdmission(cfg, engine, self.jobs)  # which jobs to claim
 
     # ----------------------------------------------------------------- signals
     def request_stop(self, *_: object) -> None:
@@ -226,7 +228,7 @@ class Worker:
         if busy and now - self.last_claim < self.cfg.claim_interval_s:
             return
         block = 0 if busy else self.cfg.idle_block_ms
-        got = self._redis(self.store.claim, self.cfg.worker_id, cap, block)
+        got = self._redis(self.admission.claim, self.store, self.cfg.worker_id, cap, block)
         self.last_claim = 0.0 if got else now
         self._admit(got)
 
@@ -267,6 +269,7 @@ class Worker:
 
     def _finish(self, st: JobState, out: RequestOutput) -> None:
         self.jobs.pop(st.lease.job_id, None)
+        self.admission.finished(st.lease.job_id, out)
         self.unsent_progress += st.take_progress()
         self.telemetry.e2e.observe(max(0.0, self.guard.now() - st.created_at))
         lease = st.lease
@@ -344,9 +347,11 @@ class Worker:
             engine=self.engine.heartbeat_stats(),
             jobs=self.jobs,
             context=self.pretok.context,
+            prefixes=self.admission.telemetry(),
         )
 
     def _heartbeat(self) -> None:
+        self._redis(self.admission.refresh, self.store, self.cfg.worker_id)
         hb = self.heartbeat_model()
         ttl = max(5, int(self.cfg.heartbeat_s * 10))
         self._redis(self.store.heartbeat, self.cfg.worker_id, hb.model_dump(mode="json"), ttl)
@@ -375,6 +380,7 @@ class Worker:
             log.warning("exiting with %d unsent results", self.writer.unsent_finals())
         with contextlib.suppress(*REDIS_DOWN):
             self.store.r.delete(self.store.keys.worker(self.cfg.worker_id))
+            self.admission.release_all(self.store, self.cfg.worker_id)
         log.info("worker %s stopped", self.cfg.worker_id)
         return 0
 

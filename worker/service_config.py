@@ -54,12 +54,43 @@ class ServiceConfig:
     # found jobs is repeated at once); new work waits at most this long for a busy worker.
     claim_interval_s: float = 0.05
     throughput_window_s: float = 10.0
+    # Prefix-aware admission of bulk jobs (worker/admission.py, pagedserve/lua/admission.lua).
+    admission: str = field(
+        default="prefix",
+        metadata=opt("bulk admission: by prefix group and affinity, or in arrival order",
+                     choices=("prefix", "fcfs")),
+    )  # fmt: skip
+    admission_window: int = field(
+        default=2048, metadata=opt("bulk entries looked ahead over per admission round")
+    )
+    admission_max_wait_ms: int = field(
+        default=120_000,
+        metadata=opt("a bulk job passed over this long (in the window, not taken) goes to the "
+                     "first worker that asks: the bound on the delay prefix grouping may cause"),
+    )  # fmt: skip
+    admission_steal_ms: int = field(
+        default=5_000,
+        metadata=opt("a prefix group whose worker took none of its jobs this long, while its "
+                     "oldest waited as long, moves to a worker with a free group slot"),
+    )  # fmt: skip
+    affinity_ttl_ms: int = field(
+        default=10_000, metadata=opt("a prefix affinity lapses unless its worker refreshes it")
+    )
+    prefix_groups: int = field(
+        default=0,
+        metadata=opt("prefix groups served at once; 0: as many prefixes as the KV pool holds"),
+    )
     # While jobs run, the writer drains the cancel set with every write and at least this often.
     cancel_poll_s: float = 0.025
     # At exit, how long the writer may go on retrying writes that Redis has not taken yet.
     writer_drain_s: float = 5.0
 
     def __post_init__(self) -> None:
+        ms = (self.admission_max_wait_ms, self.admission_steal_ms, self.affinity_ttl_ms)
+        if self.admission_window < 1 or self.prefix_groups < 0 or min(ms) < 1:
+            raise ValueError(
+                "admission_window and the admission times must be positive, prefix_groups >= 0"
+            )
         if not self.worker_id:
             self.worker_id = f"{socket.gethostname()}-{os.getpid()}"
 

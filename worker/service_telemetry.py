@@ -7,10 +7,16 @@ import collections
 import os
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from pagedserve.telemetry import EngineTelemetry, Histogram, RunningJob, WorkerHeartbeat
+from pagedserve.telemetry import (
+    EngineTelemetry,
+    Histogram,
+    PrefixGroup,
+    RunningJob,
+    WorkerHeartbeat,
+)
 from worker.job_state import JobState
 
 
@@ -41,6 +47,7 @@ class ServiceTelemetry:
         engine: EngineTelemetry,
         jobs: Mapping[str, JobState],
         context: Mapping[str, int],
+        prefixes: Sequence[PrefixGroup] = (),
     ) -> WorkerHeartbeat:
         """The heartbeat: the engine's telemetry, this loop's counters and the model's context
         (``max_model_len`` / ``max_token_bytes``, :func:`worker.pretokenize.context_info`)."""
@@ -65,6 +72,7 @@ class ServiceTelemetry:
                 RunningJob(id=jid, tokens=st.tokens, max_tokens=st.max_tokens)
                 for jid, st in jobs.items()
             ],
+            prefixes=list(prefixes),
             time_to_first_token_seconds=self.ttft,
             e2e_request_latency_seconds=self.e2e,
             **context,

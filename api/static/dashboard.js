@@ -96,6 +96,25 @@ function renderJobs(el, jobs) {
   }
 }
 
+// The prefix groups a worker serves (prefix-aware admission): signature, cached blocks, hits.
+function renderPrefixes(el, prefixes) {
+  const body = el.querySelector(".prefixes tbody");
+  body.replaceChildren();
+  for (const g of prefixes || []) {
+    const tr = document.createElement("tr");
+    tr.dataset.signature = g.signature;
+    tr.dataset.blocks = g.blocks;
+    tr.dataset.hits = g.hits;
+    const flag = g.warming ? "warming" : (g.owned ? "owned" : "");
+    for (const v of [g.signature, g.blocks, g.jobs, g.hits, g.running, flag]) {
+      const td = document.createElement("td");
+      td.textContent = String(v);
+      tr.appendChild(td);
+    }
+    body.appendChild(tr);
+  }
+}
+
 function renderWorker(w, info) {
   const el = workerElement(w.worker_id);
   el.querySelector(".worker-id").textContent = w.worker_id;
@@ -122,6 +141,7 @@ function renderWorker(w, info) {
       `${pool.tokens_stored} tokens stored · fragmentation ${(100 * pool.fragmentation).toFixed(1)}%`;
     drawBlocks(el, pool);
   }
+  renderPrefixes(el, w.prefixes);
   renderJobs(el, info ? info.jobs : []);
 }
 

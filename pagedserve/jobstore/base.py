@@ -29,6 +29,8 @@ _SCRIPTS = (
     "cancel",
     "pop_cancels",
     "batch_line",
+    "admission",
+    "affinity",
 )
 
 #: One script call: (script name, KEYS, ARGV).

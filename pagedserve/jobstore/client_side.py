@@ -16,6 +16,7 @@ from pagedserve.jobstore.records import (
     batch_line,
     check_client_request,
 )
+from pagedserve.prefix_sig import prefix_signature
 from pagedserve.schemas import (
     UNPARSABLE_REQUEST,
     JobRecord,
@@ -49,6 +50,7 @@ class ClientSide(StoreBase):
             request.model_dump_json(exclude_none=True),
             request.priority,
             "1" if idem else "0",
+            sig.sig if (sig := prefix_signature(request)) is not None else "",
         ]
         if batch is not None:
             keys.append(self.keys.batch_members(batch.batch_id))

@@ -21,7 +21,7 @@ from pagedserve.jobstore.records import (
     flatten_entries,
     job_of,
 )
-from pagedserve.keys import GROUP, PRIORITIES
+from pagedserve.keys import GROUP, PRIORITIES, Priority
 from pagedserve.schemas import (
     UNPARSABLE_REQUEST,
     JobRequest,
@@ -34,17 +34,25 @@ log = logging.getLogger("pagedserve.store")
 class Leasing(StoreBase):
     """Claim, reclaim and renew leases (what workers call to take and keep work)."""
 
-    def claim(self, consumer: str, max_jobs: int, block_ms: int = 0) -> list[Lease]:
+    def claim(
+        self,
+        consumer: str,
+        max_jobs: int,
+        block_ms: int = 0,
+        priorities: Sequence[Priority] = PRIORITIES,
+    ) -> list[Lease]:
         """Lease up to ``max_jobs`` jobs (the caller's free capacity: the queue is the
         backpressure). Order: entries stashed from an earlier blocking read, this consumer's own
-        pending entries (left by a previous process with the same name), then new entries,
-        interactive before bulk. With ``block_ms`` and nothing found, waits that long for work."""
+        pending entries (left by a previous process with the same name), then new entries of
+        ``priorities``, interactive before bulk. With ``block_ms`` and nothing found, waits that
+        long for work. (With prefix-aware admission the worker passes ``("interactive",)`` and
+        takes bulk work through ``admit_bulk``.)"""
         if max_jobs <= 0:
             return []
         self.ensure_groups()
         entries = self._take_stash(consumer, max_jobs)
         entries += self._own_pending(consumer, max_jobs - len(entries))
-        for prio in PRIORITIES:
+        for prio in priorities:
             want = max_jobs - len(entries)
             if want <= 0:
                 break
@@ -53,7 +61,7 @@ class Leasing(StoreBase):
         if not entries and block_ms > 0:
             # COUNT applies per stream, so this may deliver one entry more than asked for: the
             # extra one stays in our pending list and is leased first next time.
-            streams = {self.keys.stream(p): ">" for p in PRIORITIES}
+            streams = {self.keys.stream(p): ">" for p in priorities}
             reply = self.r.xreadgroup(GROUP, consumer, streams, count=1, block=block_ms)
             got = flatten_entries(reply)
             entries, extra = got[:max_jobs], got[max_jobs:]

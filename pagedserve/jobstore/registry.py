@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 from pagedserve.jobstore.base import StoreBase
-from pagedserve.keys import GROUP, PRIORITIES
+from pagedserve.keys import GROUP, PRIORITIES, WINDOW_CONSUMER
 
 
 class WorkerRegistry(StoreBase):
@@ -46,7 +46,8 @@ class WorkerRegistry(StoreBase):
         return out
 
     def queue_lengths(self) -> dict[str, int]:
-        """Entries not yet delivered to any worker, per priority (the group's lag)."""
+        """Entries not yet delivered to any worker, per priority (the group's lag, plus the bulk
+        entries waiting in the admission window: read ahead, not yet taken)."""
         self.ensure_groups()
         out: dict[str, int] = {}
         for prio in PRIORITIES:
@@ -54,7 +55,16 @@ class WorkerRegistry(StoreBase):
             g = next((g for g in groups if g["name"] == GROUP), None)
             lag = g.get("lag") if g else None
             out[prio] = int(lag) if lag is not None else self.r.xlen(self.keys.stream(prio))
+        out["bulk"] += self.window_length()
         return out
+
+    def window_length(self) -> int:
+        """Bulk entries read ahead into the admission window and not yet taken by a worker."""
+        info = self.r.xpending(self.keys.stream("bulk"), GROUP)
+        for c in info.get("consumers") or []:
+            if c.get("name") == WINDOW_CONSUMER:
+                return int(c.get("pending", 0))
+        return 0
 
     def dead_letters(self, count: int = 100) -> list[dict[str, str]]:
         return [dict(fields, id=eid) for eid, fields in self.r.xrange(self.keys.dead, count=count)]

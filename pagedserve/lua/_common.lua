@@ -84,3 +84,31 @@ local function add_batch_line(job, job_id, batch_id, bhash, members, counted, li
   redis.call('HINCRBY', bhash, field, 1)
   return 1
 end
+
+-- Prefix affinity (admission.lua, affinity.lua): the affinity hash maps a prefix signature to
+-- 'worker|ms' (its owner, and when the owner last took one of the group's jobs); the expiry zset
+-- says when each lapses. Returns owner, served ms (nil, nil for none).
+local function affinity_of(value)
+  if not value then
+    return nil, nil
+  end
+  local owner, served = string.match(value, '^(.*)|(%d+)$')
+  return owner, tonumber(served)
+end
+
+-- Calls redis `cmd` with `head`, a chunk of `list` and `tail` (optional), chunk by chunk (Lua's
+-- unpack is bounded); the table replies are concatenated.
+local function call_chunked(cmd, head, list, tail)
+  local out = {}
+  for i = 1, #list, 1000 do
+    local args = {}
+    for _, h in ipairs(head) do args[#args + 1] = h end
+    for j = i, math.min(i + 999, #list) do args[#args + 1] = list[j] end
+    for _, t in ipairs(tail or {}) do args[#args + 1] = t end
+    local r = redis.call(cmd, unpack(args))
+    if type(r) == 'table' then
+      for _, x in ipairs(r) do out[#out + 1] = x end
+    end
+  end
+  return out
+end

@@ -16,7 +16,13 @@ if status == 'cancelling' then
   redis.call('XACK', stream, ARGV[2], old)
   return {'cancelled', b[1], b[2], b[3], b[4]}
 end
-local entry = redis.call('XADD', stream, '*', 'job', ARGV[3])
+local sig = redis.call('HGET', job, 'prefix_sig')
+local entry
+if sig then  -- the new entry keeps the job's prefix group (admission.lua)
+  entry = redis.call('XADD', stream, '*', 'job', ARGV[3], 'sig', sig)
+else
+  entry = redis.call('XADD', stream, '*', 'job', ARGV[3])
+end
 redis.call('XACK', stream, ARGV[2], old)
 redis.call('HSET', job, 'status', 'queued', 'entry', entry, 'tokens_generated', 0)
 redis.call('HDEL', job, 'worker', 'lease_expiry', 'started_at', 'first_token_at')

@@ -1,0 +1,254 @@
+"""Prefix-aware admission: which bulk jobs this worker takes, so that each shared prompt prefix is
+computed once per worker that serves it.
+
+The choice itself runs on the Redis server (``pagedserve/lua/admission.lua``, one call per round,
+O(window)); this module keeps what that call needs to know about this worker's cache:
+
+- its **groups** (one per prefix signature, :mod:`pagedserve.prefix_sig`): which it owns (the
+  affinity in Redis, refreshed by the heartbeat, lapsing when the worker dies), which are
+  *warming* (the first job's prefill is not done: taking more of them now would compute the same
+  prefix several times over), how many of the group's prefix blocks the KV pool still holds (a
+  probe of the pool's prefix-cache table with the prefix's block hashes), and hit counts;
+- its **slots**: how many groups its pool holds at once (``prefix_groups``, or estimated from the
+  pool size and the prompts seen).
+
+Interactive jobs never go through this: they are claimed first, as before. A group whose prefix
+was evicted and which has nothing running is dropped (its affinity released), so that another
+worker may take it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pagedserve.store import AdmissionRequest, Admitted, JobStore, Lease
+from pagedserve.telemetry import PrefixGroup
+from scheduler.block_pool import BlockHash, hash_block
+from worker.job_state import JobState
+from worker.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from worker.service_config import ServiceConfig
+
+#: Share of the KV pool that cached prefixes of served groups may fill (the rest: the jobs' own
+#: suffixes and outputs); sets the group slots when ``prefix_groups`` is 0.
+PREFIX_POOL_SHARE = 0.8
+#: Groups kept for telemetry and probing (most recently used).
+MAX_GROUPS = 64
+
+
+@dataclass
+class Group:
+    """What this worker knows of one prefix group."""
+
+    sig: str
+    owned: bool = False
+    pilot: str | None = None  # job id of the first job, while its prefill runs
+    running: set[str] = field(default_factory=set)
+    probe: list[tuple[BlockHash, list[int]]] = field(default_factory=list)
+    depth: int = 0  # blocks the group's jobs were seen to share (largest hit)
+    blocks: int = 0  # of those, cached at the last probe
+    jobs: int = 0
+    hits: int = 0
+    hit_tokens: int = 0
+    prompt_tokens: int = 0
+
+    def telemetry(self) -> PrefixGroup:
+        return PrefixGroup(
+            signature=self.sig, owned=self.owned, warming=self.pilot is not None,
+            blocks=self.blocks, jobs=self.jobs, hits=self.hits, hit_tokens=self.hit_tokens,
+            prompt_tokens=self.prompt_tokens, running=len(self.running),
+        )  # fmt: skip
+
+
+def _probe_of(token_ids: list[int], block_size: int) -> list[tuple[BlockHash, list[int]]]:
+    """Block hashes (as the scheduler chains them, no salt) of a prompt's full blocks but the
+    last token's."""
+    out: list[tuple[BlockHash, list[int]]] = []
+    parent: BlockHash | None = None
+    for i in range((len(token_ids) - 1) // block_size):
+        toks = token_ids[i * block_size : (i + 1) * block_size]
+        parent = hash_block(parent, toks, None)
+        out.append((parent, toks))
+    return out
+
+
+class PrefixAdmission:
+    """This worker's side of prefix-aware admission (see the module docstring)."""
+
+    def __init__(self, cfg: ServiceConfig, engine: Any, jobs: Mapping[str, JobState]) -> None:
+        self.cfg = cfg
+        self.engine = engine
+        self.jobs = jobs
+        self.groups: OrderedDict[str, Group] = OrderedDict()
+        self.sig_of: dict[str, str] = {}  # running job id -> signature
+        self._prompt_blocks = 0.0  # running mean of the prompts' blocks (for the slot estimate)
+        self._seen = 0
+
+    # ----------------------------------------------------------------- claim
+    def claim(self, store: JobStore, consumer: str, cap: int, block_ms: int) -> list[Lease]:
+        """Interactive (and own pending) entries as before, then bulk by prefix; when nothing
+        came, wait ``block_ms`` for new work. With ``admission = "fcfs"``: the plain claim
+        (arrival order, interactive first)."""
+        if self.cfg.admission == "fcfs":
+            return store.claim(consumer, cap, block_ms)
+        leases = store.claim(consumer, cap, 0, priorities=("interactive",))
+        rest = cap - len(leases)
+        if rest > 0:
+            got = store.admit_bulk(consumer, rest, self.request())
+            self._took(got)
+            leases += got.leases
+        if not leases and block_ms > 0:
+            # Idle: wait on both streams as the plain claim does, so that idle workers share new
+            # work (a blocked read delivers one entry each); later rounds go by prefix again.
+            leases = store.claim(consumer, cap, block_ms)
+        return leases
+
+    def request(self) -> AdmissionRequest:
+        self._update()
+        warm = {g.sig: len(g.running) for g in self.groups.values()
+                if g.pilot is None and (g.owned or g.blocks > 0)}  # fmt: skip
+        warming = [g.sig for g in self.groups.values() if g.pilot is not None]
+        c = self.cfg
+        return AdmissionRequest(
+            window=c.admission_window, max_wait_ms=c.admission_max_wait_ms,
+            steal_ms=c.admission_steal_ms, affinity_ttl_ms=c.affinity_ttl_ms,
+            slots=self.slots(), touch_ms=max(1, c.reclaim_ms // 3), warm=warm, warming=warming,
+        )  # fmt: skip
+
+    def slots(self) -> int:
+        """Groups served at once: ``prefix_groups``, else as many prefixes as the pool holds."""
+        if self.cfg.prefix_groups > 0:
+            return self.cfg.prefix_groups
+        pool = self._pool()
+        if pool is None or self._prompt_blocks <= 0:
+            return 1  # nothing seen yet: one group, whose first job tells the prefix size
+        return max(1, int(pool.num_blocks * PREFIX_POOL_SHARE // max(1.0, self._prompt_blocks)))
+
+    def _took(self, got: Admitted) -> None:
+        for sig in got.lost:
+            if sig in self.groups:
+                self.groups[sig].owned = False
+        for sig in got.claimed:
+            self._group(sig).owned = True
+        new = set(got.piloted)  # their first job here fills the cache: the pilot
+        for lease in got.leases:
+            sig = got.signatures.get(lease.job_id)
+            if sig is None:
+                continue
+            g = self._group(sig)
+            if sig in new:
+                new.discard(sig)
+                g.pilot = lease.job_id
+            g.running.add(lease.job_id)
+            self.sig_of[lease.job_id] = sig
+            self._observe_prompt(lease)
+
+    def _observe_prompt(self, lease: Lease) -> None:
+        prompt = lease.request.prompt
+        if isinstance(prompt, list):
+            n = len(prompt)
+        else:  # text or chat: about four characters a token, until the job tells
+            text = prompt or "".join(m.content for m in lease.request.messages or [])
+            n = len(text) // 4
+        bs = self._block_size()
+        self._seen += 1
+        self._prompt_blocks += (n / bs + 1 - self._prompt_blocks) / min(self._seen, 32)
+
+    # ----------------------------------------------------------------- jobs ending
+    def finished(self, job_id: str, out: RequestOutput | None) -> None:
+        """A job ended here (``out`` is its last output, if any): count its prefix hit."""
+        sig = self.sig_of.pop(job_id, None)
+        g = self.groups.get(sig) if sig is not None else None
+        if g is None:
+            return
+        g.running.discard(job_id)
+        if g.pilot == job_id:
+            g.pilot = None
+        if out is None or not out.prompt_token_ids:
+            return
+        bs = self._block_size()
+        g.jobs += 1
+        g.prompt_tokens += len(out.prompt_token_ids)
+        g.hit_tokens += out.num_cached_tokens
+        if out.num_cached_tokens > 0:
+            g.hits += 1
+            g.depth = max(g.depth, out.num_cached_tokens // bs)
+        if not g.probe:
+            g.probe = _probe_of(out.prompt_token_ids, bs)
+
+    def _update(self) -> None:
+        """Pilots whose prefill is done, jobs that ended without ``finished``, cache probes, and
+        groups to drop."""
+        for g in list(self.groups.values()):
+            for jid in [j for j in g.running if j not in self.jobs]:
+                self.finished(jid, None)
+            st = self.jobs.get(g.pilot) if g.pilot is not None else None
+            if g.pilot is not None and (st is None or st.first_token_seen):
+                if st is not None and st.latest is not None and not g.probe:
+                    g.probe = _probe_of(st.latest.prompt_token_ids, self._block_size())
+                g.pilot = None
+            g.blocks = self._cached_blocks(g)
+
+    def _cached_blocks(self, g: Group) -> int:
+        pool = self._pool()
+        if pool is None:
+            return 0
+        limit = g.depth or len(g.probe)
+        n = 0
+        for h, toks in g.probe[:limit]:
+            if pool.lookup(h, toks) is None:
+                break
+            n += 1
+        return n
+
+    # ----------------------------------------------------------------- heartbeat
+    def refresh(self, store: JobStore, consumer: str) -> None:
+        """Extend the affinities of groups still cached or running here; release the others."""
+        self._update()
+        keep, drop = [], []
+        for g in self.groups.values():
+            if not g.owned:
+                continue
+            if g.running or g.pilot is not None or g.blocks > 0:
+                keep.append(g.sig)
+            else:
+                drop.append(g.sig)
+                g.owned = False
+        for sig in store.refresh_affinity(consumer, keep, drop, self.cfg.affinity_ttl_ms):
+            self.groups[sig].owned = False
+
+    def release_all(self, store: JobStore, consumer: str) -> None:
+        """Give up every affinity (the worker stops): its groups move at once, not at lapse."""
+        owned = [g.sig for g in self.groups.values() if g.owned]
+        store.refresh_affinity(consumer, [], owned, self.cfg.affinity_ttl_ms)
+        for g in self.groups.values():
+            g.owned = False
+
+    def telemetry(self) -> list[PrefixGroup]:
+        return [g.telemetry() for g in reversed(self.groups.values())]
+
+    # ----------------------------------------------------------------- helpers
+    def _group(self, sig: str) -> Group:
+        g = self.groups.get(sig)
+        if g is None:
+            g = self.groups[sig] = Group(sig)
+            while len(self.groups) > MAX_GROUPS:
+                old = next((s for s, x in self.groups.items() if not x.running and not x.owned),
+                           None)  # fmt: skip
+                if old is None:
+                    break
+                del self.groups[old]
+        self.groups.move_to_end(sig)
+        return g
+
+    def _pool(self) -> Any:
+        sched = getattr(self.engine, "scheduler", None)
+        return getattr(sched, "pool", None)
+
+    def _block_size(self) -> int:
+        pool = self._pool()
+        return int(pool.block_size) if pool is not None else 16
