@@ -21,6 +21,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU
+    # Structured outputs: the LRU of compiled constraints (worker.structured) holds at most this
+    # many bytes of grammar text (and at most 1024 constraints).
+    grammar_cache_bytes: int = 64 << 20
 
 
 @dataclass(slots=True)
