@@ -92,6 +92,7 @@ SCHEMAS: list[dict[str, Any]] = [
         "properties": {
             "items": {
                 "type": "array",
+                "minItems": 1,
                 "maxItems": 3,
                 "items": {
                     "type": "object",
