@@ -61,9 +61,14 @@ def test_json_object_any(llm: LLM) -> None:
     assert all(isinstance(json.loads(t), dict) for t in done)
 
 
-@pytest.mark.parametrize(
-    "regex", [r"[a-z]{3,8}@example\.(com|org)", r"[0-9]{4}-[0-9]{2}-[0-9]{2}", r"(yes|no|maybe) [A-Z]+!"]
-)
+REGEXES = [
+    r"[a-z]{3,8}@example\.(com|org)",
+    r"[0-9]{4}-[0-9]{2}-[0-9]{2}",
+    r"(yes|no|maybe) [A-Z]+!",
+]
+
+
+@pytest.mark.parametrize("regex", REGEXES)
 def test_regex_outputs_fullmatch(llm: LLM, regex: str) -> None:
     outs = llm.generate(["x"] * 10, [constrained({"regex": regex}, seed=s) for s in range(10)])
     for t in texts(outs):
