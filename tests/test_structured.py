@@ -238,3 +238,12 @@ def test_constraint_key_is_canonical() -> None:
     assert StructuredOutputs(json='{"type": "integer"}').json_ == {"type": "integer"}
     p = SamplingParams(structured_outputs={"choice": ["a"]})  # type: ignore[arg-type]
     assert SamplingParams.model_validate_json(p.model_dump_json()) == p
+
+
+def test_grammar_completed_by_the_last_allowed_token_is_stop(llm: LLM) -> None:
+    so = {"choice": ["alphabet soup", "beta"]}
+    free = llm.generate(["x"], constrained(so, seed=5))[0].outputs[0]
+    k = len(free.token_ids)  # the grammar ends with its text: no EOS step is spent
+    exact = llm.generate(["x"], constrained(so, seed=5, max_tokens=k))[0].outputs[0]
+    assert (exact.finish_reason, exact.text) == ("stop", free.text)
+    assert exact.token_ids == free.token_ids

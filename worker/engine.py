@@ -287,7 +287,8 @@ class Engine:
             return
         req, comp = entry
         comp.out.token_ids.append(upd.token_id)
-        if comp.grammar is not None and upd.finish_reason is None:
+        if comp.grammar is not None and upd.finish_reason is not FinishReason.STOP:
+            # A grammar completed by the max_tokens-th token still ends with "stop".
             ended = self._grammar_end(comp.grammar, upd.token_id)
             if ended is not None:
                 if comp.detok is not None and upd.token_id not in self.eos_token_ids:
