@@ -2,24 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from pagedserve.keys import DEFAULT_PREFIX, env_prefix
-from pagedserve.redis_util import URL_ENV, default_url
-
-#: Comma-separated API keys, each ``tenant:key``, ``tenant:sha256:<hex>`` (optionally ending in
-#: ``:admin``) or a bare ``key`` (tenant ``default``); see :mod:`api.auth`. When set, every endpoint
-#: but the health checks and the dashboard's static page needs ``Authorization: Bearer <key>``.
-API_KEYS_ENV = "PAGEDSERVE_API_KEYS"
-#: A file of API keys, one entry per line in the same forms (``#`` comments, blank lines).
-API_KEYS_FILE_ENV = "PAGEDSERVE_API_KEYS_FILE"
-#: Most open (queued or running) jobs per tenant; 0 or unset: no limit.
-TENANT_MAX_QUEUED_ENV = "PAGEDSERVE_TENANT_MAX_QUEUED"
-#: Most bytes of stored files per tenant; 0 or unset: no limit.
-TENANT_MAX_FILE_BYTES_ENV = "PAGEDSERVE_TENANT_MAX_FILE_BYTES"
+from pagedserve import settings
+from pagedserve.settings import opt
 
 MIB = 1024 * 1024
 
@@ -31,15 +19,35 @@ def parse_keys(value: str | None) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class ApiConfig:
-    redis_url: str = field(default_factory=default_url)
-    prefix: str = DEFAULT_PREFIX
-    #: API key entries (see :data:`API_KEYS_ENV`); empty, with no keys file: no authentication.
-    api_keys: tuple[str, ...] = ()
+    """The API's options; those with :func:`~pagedserve.settings.opt` are ``pagedserve api``
+    flags, and the ones naming a variable also come from the environment."""
+
+    redis_url: str = field(
+        default=settings.REDIS_URL.default,
+        metadata=opt("Redis URL", env=settings.REDIS_URL, flag="--redis"),
+    )
+    prefix: str = field(
+        default=settings.PREFIX.default, metadata=opt("Redis key prefix", env=settings.PREFIX)
+    )
+    #: API key entries (see :mod:`api.auth`); empty, with no keys file: no authentication. When
+    #: set, every endpoint but the health checks and the dashboard's static page needs
+    #: ``Authorization: Bearer <key>``.
+    api_keys: tuple[str, ...] = field(
+        default=(),
+        metadata=opt("comma-separated API keys", env=settings.API_KEYS, parse=parse_keys),
+    )
     #: A file of more key entries, read once at start.
-    api_keys_file: str | None = None
+    api_keys_file: str | None = field(
+        default=None, metadata=opt("file of API keys", env=settings.API_KEYS_FILE)
+    )
     #: Per-tenant limits (0: none); over them, 429 with ``Retry-After``.
-    tenant_max_queued: int = 0
-    tenant_max_file_bytes: int = 0
+    tenant_max_queued: int = field(
+        default=0, metadata=opt("most open jobs per tenant", env=settings.TENANT_MAX_QUEUED)
+    )
+    tenant_max_file_bytes: int = field(
+        default=0,
+        metadata=opt("most stored file bytes per tenant", env=settings.TENANT_MAX_FILE_BYTES),
+    )
     #: ``Retry-After`` (seconds) of a 429 for a tenant limit.
     quota_retry_after_s: int = 2
     #: How long the workers' context lengths (from their heartbeats) are cached per process.
@@ -55,21 +63,16 @@ class ApiConfig:
     #: A busy worker whose step counter has not moved for this long does not count for /readyz.
     stall_s: float = 15.0
     #: How long one server-sent events response may stay open.
-    sse_max_s: float = 3600.0
+    sse_max_s: float = field(
+        default=3600.0, metadata=opt("longest a server-sent events response stays open (s)")
+    )
     #: Blocking read slice of the events stream; a keep-alive comment is sent after each empty one.
     sse_block_ms: int = 1000
 
     @classmethod
     def from_env(cls, **overrides: Any) -> ApiConfig:
-        base = cls(
-            redis_url=os.environ.get(URL_ENV) or default_url(),
-            prefix=env_prefix(),
-            api_keys=parse_keys(os.environ.get(API_KEYS_ENV)),
-            api_keys_file=os.environ.get(API_KEYS_FILE_ENV) or None,
-            tenant_max_queued=int(os.environ.get(TENANT_MAX_QUEUED_ENV) or 0),
-            tenant_max_file_bytes=int(os.environ.get(TENANT_MAX_FILE_BYTES_ENV) or 0),
-        )
-        return base.with_overrides(overrides)
+        """The environment's values (see :mod:`pagedserve.settings`), then ``overrides``."""
+        return cls(**settings.values(cls)).with_overrides(overrides)
 
     def with_overrides(self, overrides: Mapping[str, Any]) -> ApiConfig:
         known = {f.name for f in fields(self)}

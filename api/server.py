@@ -7,42 +7,38 @@ they are open, so ``--threads`` bounds concurrent streams per process.
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from flask import Flask
 
 from api.app import create_app
-from api.config import API_KEYS_ENV, ApiConfig
-from pagedserve.keys import DEFAULT_PREFIX, PREFIX_ENV
-from pagedserve.redis_util import URL_ENV, default_url
+from api.config import ApiConfig
+from pagedserve.settings import add_options, build, opt
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """How ``pagedserve api`` serves the app (the app's own options are :class:`ApiConfig`)."""
+
+    host: str = field(default="127.0.0.1", metadata=opt("address to bind"))
+    port: int = field(default=8000, metadata=opt("port to bind"))
+    workers: int = field(default=2, metadata=opt("gunicorn worker processes"))
+    threads: int = field(default=16, metadata=opt("threads per gunicorn worker"))
+    timeout: int = field(default=120, metadata=opt("gunicorn worker timeout (s)"))
+    dev: bool = field(default=False, metadata=opt("Flask's development server instead"))
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="pagedserve api", description=__doc__)
-    ap.add_argument("--redis", default=None, help=f"Redis URL (default: ${URL_ENV})")
-    prefix_help = f"key prefix (default: ${PREFIX_ENV} or {DEFAULT_PREFIX})"
-    ap.add_argument("--prefix", default=None, help=prefix_help)
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--workers", type=int, default=2, help="gunicorn worker processes")
-    ap.add_argument("--threads", type=int, default=16, help="threads per gunicorn worker")
-    ap.add_argument("--timeout", type=int, default=120, help="gunicorn worker timeout (s)")
-    ap.add_argument(
-        "--api-keys", default=None, help=f"comma-separated bearer keys (default: ${API_KEYS_ENV})"
-    )
-    ap.add_argument("--dev", action="store_true", help="Flask's development server instead")
+    add_options(ap, ServeConfig)
+    add_options(ap.add_argument_group("app"), ApiConfig)
     return ap.parse_args(argv)
 
 
 def config_from(args: argparse.Namespace) -> ApiConfig:
-    overrides: dict[str, Any] = {"redis_url": args.redis or default_url()}
-    if args.prefix is not None:
-        overrides["prefix"] = args.prefix
-    if args.api_keys is not None:
-        overrides["api_keys"] = args.api_keys
-    return ApiConfig.from_env(**overrides)
+    return build(ApiConfig, args)
 
 
 def gunicorn_app(app: Flask, options: dict[str, Any]) -> Any:
@@ -67,18 +63,17 @@ def gunicorn_app(app: Flask, options: dict[str, Any]) -> Any:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.prefix is None and os.environ.get(PREFIX_ENV):
-        args.prefix = os.environ[PREFIX_ENV]
+    serve = build(ServeConfig, args)
     app = create_app(config_from(args))
-    if args.dev:
-        app.run(host=args.host, port=args.port, threaded=True)
+    if serve.dev:
+        app.run(host=serve.host, port=serve.port, threaded=True)
         return 0
     options = {
-        "bind": f"{args.host}:{args.port}",
-        "workers": args.workers,
-        "threads": args.threads,
+        "bind": f"{serve.host}:{serve.port}",
+        "workers": serve.workers,
+        "threads": serve.threads,
         "worker_class": "gthread",
-        "timeout": args.timeout,
+        "timeout": serve.timeout,
         "accesslog": "-",
     }
     gunicorn_app(app, options).run()

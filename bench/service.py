@@ -95,11 +95,16 @@ def run_offline(model: Path, wl: Workload, args: argparse.Namespace) -> float:
     return time.perf_counter() - t0
 
 
-def start_worker(url: str, model: Path, args: argparse.Namespace, log: Path) -> subprocess.Popen:
+def start_worker(
+    url: str, model: Path, args: argparse.Namespace, log: Path, extra: tuple[str, ...] = ()
+) -> subprocess.Popen:
+    """A ``pagedserve worker`` process (id ``bench``) with the bench's engine options plus
+    ``extra`` flags, once its first heartbeat is in."""
     env = dict(os.environ, **{URL_ENV: url, PREFIX_ENV: DEFAULT_PREFIX})
     env.setdefault("OMP_NUM_THREADS", str(args.threads))
     cmd = [sys.executable, "-m", "stack", "worker", "--model", str(model),
            "--worker-id", "bench", "--log-level", "WARNING", *engine_options(args)]  # fmt: skip
+    cmd += extra
     with log.open("wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
     store = JobStore(url)

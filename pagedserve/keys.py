@@ -19,9 +19,10 @@ Layout (prefix ``ps`` by default)::
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Literal
+
+from pagedserve.settings import PREFIX
 
 Priority = Literal["interactive", "bulk"]
 
@@ -32,13 +33,13 @@ PRIORITIES: tuple[Priority, ...] = ("interactive", "bulk")
 GROUP = "workers"
 
 #: The key prefix when none is given, and the environment variable every process reads it from.
-DEFAULT_PREFIX = "ps"
-PREFIX_ENV = "PAGEDSERVE_PREFIX"
+DEFAULT_PREFIX = PREFIX.default
+PREFIX_ENV = PREFIX.name
 
 
 def env_prefix() -> str:
     """The key prefix from ``PAGEDSERVE_PREFIX``, else :data:`DEFAULT_PREFIX`."""
-    return os.environ.get(PREFIX_ENV, DEFAULT_PREFIX)
+    return PREFIX.text()
 
 
 @dataclass(frozen=True)

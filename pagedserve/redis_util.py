@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import subprocess
@@ -13,18 +12,22 @@ from typing import Any
 
 import redis
 
-DEFAULT_URL = "redis://localhost:6379/0"
-URL_ENV = "PAGEDSERVE_REDIS_URL"
+from pagedserve.redis_url import connect_url
+from pagedserve.settings import REDIS_URL
+
+DEFAULT_URL = REDIS_URL.default
+URL_ENV = REDIS_URL.name
 
 
 def default_url() -> str:
     """The Redis URL from ``PAGEDSERVE_REDIS_URL``, else the local default."""
-    return os.environ.get(URL_ENV, DEFAULT_URL)
+    return REDIS_URL.text()
 
 
 def connect(url: str | None = None) -> redis.Redis:
-    """A client that decodes replies to ``str`` (everything we store is text or JSON)."""
-    return redis.Redis.from_url(url or default_url(), decode_responses=True)
+    """A client that decodes replies to ``str`` (everything we store is text or JSON); ``url``
+    may name a Sentinel-managed master (:mod:`pagedserve.redis_url`)."""
+    return connect_url(url or default_url(), decode_responses=True)
 
 
 def stream_entries(reply: Any) -> list[tuple[str, list[tuple[str, Any]]]]:

@@ -18,6 +18,7 @@ from typing import Any
 
 from celery import Celery
 
+from pagedserve import settings
 from pagedserve.batches import BatchStore
 from pagedserve.celery_client import (
     CANCEL,
@@ -38,8 +39,8 @@ def _prefix() -> str:
 def make_app(redis_url: str | None = None) -> Celery:
     """The control plane: the sender's configuration, the worker's settings, beat, the tasks."""
     app = make_sender(redis_url)
-    finalize_s = float(os.environ.get("PAGEDSERVE_FINALIZE_EVERY_S", "2"))
-    expire_s = float(os.environ.get("PAGEDSERVE_EXPIRE_EVERY_S", "30"))
+    finalize_s = settings.FINALIZE_EVERY_S.number()
+    expire_s = settings.EXPIRE_EVERY_S.number()
     app.conf.update(
         task_acks_late=True,
         worker_prefetch_multiplier=1,

@@ -13,14 +13,16 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
-from pagedserve.keys import DEFAULT_PREFIX, PREFIX_ENV
-from pagedserve.redis_util import DEFAULT_URL, URL_ENV, default_url
+from pagedserve import settings
+from pagedserve.keys import PREFIX_ENV
+from pagedserve.redis_util import URL_ENV
+from pagedserve.settings import add_options, build, opt
 
 #: Environment variable through which ``--prefix`` reaches delegated subcommands.
 
@@ -97,23 +99,35 @@ def _print(obj: Any) -> None:
     sys.stdout.flush()
 
 
+@dataclass(frozen=True)
+class Connection:
+    """The global options: where the job store is and whose records this command writes."""
+
+    redis_url: str = field(
+        default=settings.REDIS_URL.default,
+        metadata=opt("Redis URL", env=settings.REDIS_URL, flag="--redis"),
+    )
+    prefix: str = field(
+        default=settings.PREFIX.default, metadata=opt("Redis key prefix", env=settings.PREFIX)
+    )
+    tenant: str | None = field(
+        default=None,
+        metadata=opt(
+            "tenant written on the jobs, files and batches this command creates (default: none,"
+            " which the API reads as the 'default' tenant)"
+        ),
+    )
+
+
+def _conn(args: argparse.Namespace) -> Connection:
+    return build(Connection, args)
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
-    ap.add_argument(
-        "--redis",
-        default=None,
-        help=f"Redis URL (default: ${URL_ENV}, else {DEFAULT_URL})",
-    )
-    ap.add_argument(
-        "--prefix", default=DEFAULT_PREFIX, help=f"Redis key prefix (default: {DEFAULT_PREFIX})"
-    )
-    ap.add_argument(
-        "--tenant",
-        default=None,
-        help="tenant written on the jobs, files and batches this command creates (default: none,"
-        " which the API reads as the 'default' tenant)",
-    )
+    add_options(ap, Connection)
     sub = ap.add_subparsers(dest="command", required=True)
+    sub.add_parser("env", help="the environment variables read, with defaults and current values")
 
     s = sub.add_parser("submit", help="queue one job; prints {id} (or the record with --wait)")
     s.add_argument("prompt", help="prompt text, or a JSON list of chat messages with --chat")
@@ -177,7 +191,8 @@ def _batch_parser(sub: Any) -> None:
 def _client(args: argparse.Namespace) -> Any:
     from pagedserve.client import Client
 
-    return Client(args.redis or default_url(), prefix=args.prefix, tenant=args.tenant)
+    c = _conn(args)
+    return Client(c.redis_url, prefix=c.prefix, tenant=c.tenant)
 
 
 def _structured_outputs(args: argparse.Namespace) -> dict | None:
@@ -258,13 +273,14 @@ def _cancel(args: argparse.Namespace) -> int:
 def _batch_store(args: argparse.Namespace) -> Any:
     from pagedserve.batches import BatchStore
 
-    return BatchStore(args.redis or default_url(), prefix=args.prefix)
+    c = _conn(args)
+    return BatchStore(c.redis_url, prefix=c.prefix)
 
 
 def _celery(args: argparse.Namespace) -> Any:
     from pagedserve.celery_client import make_sender
 
-    return make_sender(args.redis or default_url())
+    return make_sender(_conn(args).redis_url)
 
 
 def _first_url(data: bytes) -> str:
@@ -285,9 +301,9 @@ def _batch_submit(args: argparse.Namespace) -> int:
     with open(args.file, "rb") as fh:
         data = fh.read()
     try:
-        f = bs.files.create(data, os.path.basename(args.file), tenant=args.tenant)
+        f = bs.files.create(data, os.path.basename(args.file), tenant=_conn(args).tenant)
         endpoint = args.endpoint or _first_url(data)
-        b = bs.create(f.id, endpoint, args.completion_window, tenant=args.tenant)
+        b = bs.create(f.id, endpoint, args.completion_window, tenant=_conn(args).tenant)
     except (ValueError, KeyError) as e:
         _print({"error": str(e)})
         return 2
@@ -327,7 +343,7 @@ def _batch(args: argparse.Namespace) -> int:
         return _batch_submit(args)
     bs = _batch_store(args)
     if args.batch_command == "list":
-        _print(bs.list(after=args.after, limit=args.limit, tenant=args.tenant))
+        _print(bs.list(after=args.after, limit=args.limit, tenant=_conn(args).tenant))
         return 0
     if args.batch_command == "cancel":
         b = _celery(args).send_task("batches.cancel", [args.id]).get(timeout=60)
@@ -342,13 +358,18 @@ def _batch(args: argparse.Namespace) -> int:
 
 
 def _control_plane(args: argparse.Namespace) -> int:
-    if args.redis:
-        os.environ[URL_ENV] = args.redis
-    os.environ[PREFIX_ENV] = args.prefix
+    c = _conn(args)
+    os.environ[URL_ENV] = c.redis_url
+    os.environ[PREFIX_ENV] = c.prefix
     from stack.celery_app import app
 
     argv = ["worker", "-B", f"--pool={args.pool}", "--concurrency=1", f"--loglevel={args.loglevel}"]
     app.worker_main(argv)
+    return 0
+
+
+def _env(_args: argparse.Namespace) -> int:
+    _print(settings.describe())
     return 0
 
 
@@ -397,6 +418,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "cancel": _cancel,
         "batch": _batch,
         "control-plane": _control_plane,
+        "env": _env,
     }
     return handlers[args.command](args)
 

@@ -37,8 +37,10 @@ from typing import Any
 
 import redis
 
-from pagedserve.keys import DEFAULT_PREFIX, PREFIX_ENV, Keys, env_prefix
+from pagedserve import settings
+from pagedserve.keys import PREFIX_ENV, Keys
 from pagedserve.redis_util import URL_ENV, LocalRedisServer, connect
+from pagedserve.settings import add_options, build, opt
 from worker.model_source import DEFAULT_MODEL_DIST, DEFAULT_MODEL_NAME, default_model_path
 
 log = logging.getLogger("pagedserve.supervisor")
@@ -104,10 +106,16 @@ class RestartPolicy:
     restart will not cure stops the whole stack with a message naming the child and its log.
     """
 
-    backoff_s: float = 0.5
-    max_backoff_s: float = 15.0
-    max_restarts: int = 5
-    window_s: float = 120.0
+    backoff_s: float = field(
+        default=0.5, metadata=opt("first delay (s); doubles", flag="--restart-backoff-s")
+    )
+    max_backoff_s: float = field(
+        default=15.0, metadata=opt("longest delay (s)", flag="--restart-backoff-max-s")
+    )
+    max_restarts: int = field(default=5, metadata=opt("per child within the window"))
+    window_s: float = field(
+        default=120.0, metadata=opt("the window (s)", flag="--restart-window-s")
+    )
 
     def recent(self, times: list[float], now: float) -> list[float]:
         """The restart times still inside the window."""
@@ -119,17 +127,32 @@ class RestartPolicy:
 
 @dataclass
 class UpConfig:
-    home: Path = DEFAULT_HOME
     #: A checkpoint directory or a .gguf file; None: the embedded default (else the tiny model).
-    model: Path | None = None
-    redis_url: str | None = None
-    prefix: str = DEFAULT_PREFIX
-    port: int = 8000
-    host: str = "127.0.0.1"
+    model: Path | None = field(
+        default=None,
+        metadata=opt(
+            f"HF checkpoint dir or .gguf file (default: the embedded {DEFAULT_MODEL_NAME})"
+        ),
+    )
+    #: None: start a local redis-server under ``home``.
+    redis_url: str | None = field(
+        default=None,
+        metadata=opt(
+            "Redis URL (default: $PAGEDSERVE_REDIS_URL, else a local redis-server)",
+            env=settings.REDIS_URL,
+            flag="--redis",
+        ),
+    )
+    prefix: str = field(
+        default=settings.PREFIX.default, metadata=opt("Redis key prefix", env=settings.PREFIX)
+    )
+    port: int = field(default=8000, metadata=opt("API port"))
+    host: str = field(default="127.0.0.1", metadata=opt("API address"))
+    home: Path = field(default=DEFAULT_HOME, metadata=opt("state directory"))
+    api: bool = field(default=True, metadata=opt("no HTTP API"))
+    control_plane: bool = field(default=True, metadata=opt("no Celery control plane"))
+    grace_s: float = field(default=30.0, metadata=opt("stop: SIGTERM, then SIGKILL after this (s)"))
     worker_args: list[str] = field(default_factory=list)
-    api: bool = True
-    control_plane: bool = True
-    grace_s: float = 30.0
     restart: RestartPolicy = field(default_factory=RestartPolicy)
 
 
@@ -336,52 +359,21 @@ def install_signals(sup: Supervisor) -> None:
 # --------------------------------------------------------------------------- CLI
 def parser(prog: str) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=f"pagedserve {prog}", description=__doc__.split("\n")[0])
-    ap.add_argument(
-        "--model",
-        type=Path,
-        default=None,
-        help=f"HF checkpoint dir or .gguf file (default: the embedded {DEFAULT_MODEL_NAME})",
-    )
-    ap.add_argument("--redis", default=None, help="Redis URL (default: a local redis-server)")
-    ap.add_argument("--prefix", default=None, help="key prefix (default: $PAGEDSERVE_PREFIX/ps)")
-    ap.add_argument("--port", type=int, default=8000, help="API port")
-    ap.add_argument("--host", default="127.0.0.1", help="API address")
-    ap.add_argument("--home", type=Path, default=DEFAULT_HOME, help="state directory")
-    ap.add_argument("--no-api", action="store_true")
-    ap.add_argument("--no-control-plane", action="store_true")
-    ap.add_argument("--grace-s", type=float, default=30.0, help="stop: SIGTERM, then SIGKILL")
+    add_options(ap, UpConfig)
     ap.add_argument(
         "--worker-arg",
+        dest="worker_args",
         action="append",
         default=[],
         help="extra worker option (repeatable), e.g. --worker-arg=--max-num-seqs=64",
     )
-    r = ap.add_argument_group("restarts of a child that exits on its own")
-    r.add_argument("--max-restarts", type=int, default=5, help="per child within the window")
-    r.add_argument("--restart-window-s", type=float, default=120.0)
-    r.add_argument("--restart-backoff-s", type=float, default=0.5, help="first delay; doubles")
-    r.add_argument("--restart-backoff-max-s", type=float, default=15.0)
+    add_options(ap.add_argument_group("restarts of a child that exits on its own"), RestartPolicy)
     return ap
 
 
 def config_from(args: argparse.Namespace) -> UpConfig:
-    return UpConfig(
-        home=args.home,
-        model=args.model,
-        redis_url=args.redis or os.environ.get(URL_ENV) or None,
-        prefix=args.prefix or env_prefix(),
-        port=args.port,
-        host=args.host,
-        worker_args=list(args.worker_arg),
-        api=not args.no_api,
-        control_plane=not args.no_control_plane,
-        grace_s=args.grace_s,
-        restart=RestartPolicy(
-            backoff_s=args.restart_backoff_s,
-            max_backoff_s=args.restart_backoff_max_s,
-            max_restarts=args.max_restarts,
-            window_s=args.restart_window_s,
-        ),
+    return build(
+        UpConfig, args, worker_args=list(args.worker_args), restart=build(RestartPolicy, args)
     )
 
 

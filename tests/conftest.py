@@ -21,4 +21,5 @@ pytest_plugins = [
     "tests.fixtures.models",
     "tests.fixtures.workers",
     "tests.fixtures.browser",
+    "tests.fixtures.sentinel",
 ]

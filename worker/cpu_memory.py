@@ -15,11 +15,12 @@ import os
 import platform
 from dataclasses import dataclass
 
+from pagedserve.settings import HUGE_PAGES, MALLOC_TUNING, PREPACK_WEIGHTS
+
 log = logging.getLogger(__name__)
 
-THP_ENV = "THP_MEM_ALLOC_ENABLE"
-MALLOC_ENV = "PAGEDSERVE_MALLOC_TUNING"
-PREPACK_ENV = "PAGEDSERVE_PREPACK_WEIGHTS"
+THP_ENV = HUGE_PAGES.name
+MALLOC_ENV = MALLOC_TUNING.name
 
 # glibc's mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD = -1
@@ -30,14 +31,10 @@ MMAP_THRESHOLD_BYTES = 32 << 20
 TRIM_THRESHOLD_BYTES = 2**31 - 1
 
 
-def _switched_off(name: str) -> bool:
-    return os.environ.get(name, "1").strip().lower() in ("0", "false", "no", "off")
-
-
 def prepack_enabled() -> bool:
     """Whether the CPU runner packs projection weights for oneDNN after loading (see
     ``worker.models.layers.pack_weight``); ``PAGEDSERVE_PREPACK_WEIGHTS=0`` keeps them plain."""
-    return not _switched_off(PREPACK_ENV)
+    return PREPACK_WEIGHTS.enabled()
 
 
 def enable_huge_pages() -> None:
@@ -50,7 +47,7 @@ def enable_huge_pages() -> None:
     reads the variable once, at its first large allocation, so this must run before the weights
     load; a value already set (``0`` to opt out) is left alone.
     """
-    os.environ.setdefault(THP_ENV, "1")
+    os.environ.setdefault(THP_ENV, HUGE_PAGES.default)
 
 
 @dataclass(frozen=True)
@@ -72,7 +69,7 @@ def keep_freed_memory() -> MallocTuning:
     returning it: a worker's RSS stays at its high-water mark, like a caching allocator's. Off with
     ``PAGEDSERVE_MALLOC_TUNING=0``; a no-op outside glibc.
     """
-    if _switched_off(MALLOC_ENV):
+    if not MALLOC_TUNING.enabled():
         return MallocTuning(False, f"{MALLOC_ENV}=0")
     if platform.libc_ver()[0] != "glibc":
         return MallocTuning(False, "not glibc")

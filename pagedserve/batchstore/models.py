@@ -4,12 +4,13 @@ store.
 
 from __future__ import annotations
 
-import os
 import re
 import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from pagedserve.settings import MODELS
 
 #: Largest uploaded file (it lives in Redis memory). Generated files have no cap.
 DEFAULT_MAX_FILE_BYTES = 64 * 1024 * 1024
@@ -20,7 +21,7 @@ FILE_CHUNK_LINES = 1000
 #: Entries read per round trip when a file listing is filtered by tenant (others' are skipped).
 LIST_SCAN_WINDOW = 1000
 #: Environment variable listing served models (comma-separated); empty accepts any model.
-MODELS_ENV = "PAGEDSERVE_MODELS"
+MODELS_ENV = MODELS.name
 #: How often ``finalize_ready`` reconciles an in-progress batch whose counts are short (s).
 DEFAULT_RECONCILE_EVERY_S = 30.0
 #: How long files and finished batches are kept by default (OpenAI's default for batch files).
@@ -114,4 +115,4 @@ def check_ttl(seconds: int, what: str = "expires_after") -> int:
 
 
 def _known_models_from_env() -> list[str]:
-    return [m.strip() for m in os.environ.get(MODELS_ENV, "").split(",") if m.strip()]
+    return [m.strip() for m in MODELS.text().split(",") if m.strip()]
