@@ -6,7 +6,6 @@ import json
 import numbers
 from typing import Any
 
-import llguidance
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pagedserve.jsonsafe import check_text
@@ -95,6 +94,8 @@ class StructuredOutputs(BaseModel):
             raise ValueError(f"the constraint exceeds {MAX_CONSTRAINT_CHARS} characters as JSON")
         error = _validated.get(key)
         if error is None:
+            import llguidance  # only for requests with a constraint (the import takes ~0.1 s)
+
             error = llguidance.LLMatcher.validate_grammar(constraint_grammar(self))
             _validated[key] = error
             while len(_validated) > 256:
@@ -128,6 +129,8 @@ _validated: dict[str, str] = {}
 def constraint_grammar(so: StructuredOutputs) -> str:
     """The constraint as an llguidance grammar (JSON schema, regex, or Lark; GBNF/EBNF with
     ``::=`` rules is converted to Lark)."""
+    import llguidance
+
     m = llguidance.LLMatcher
     if so.json_ is not None:
         schema = {"type": "object"} if so.json_ is True else so.json_
