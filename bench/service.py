@@ -1,18 +1,23 @@
 """Service overhead: the ``mixed`` workload through Client -> Redis -> worker vs the offline engine.
 
-Same run, same model, same engine options: first the offline :class:`worker.engine.Engine` in this
-process, then a private redis-server and a real ``pagedserve worker`` process. Prints one JSON line
-with output tokens per second of both and their ratio (target >= 0.95), ``submit_many`` jobs per
-second, and the time from enqueue to the first streamed token on an idle worker.
+Same run, same model, same engine options: the offline :class:`worker.engine.Engine` in this
+process and a real ``pagedserve worker`` process on a private redis-server, in alternating rounds
+(round ``r`` runs workload seed ``seed + r`` on both). With ``--baseline-tree DIR`` a second worker,
+running the source tree ``DIR`` (say ``git archive main | tar -x -C DIR``), joins the rotation on
+its own redis-server: an A/B of the service path in one run. Prints one JSON line with output
+tokens per second of each (medians and per round), the per-round ratios and their medians (target
+``service_over_offline`` >= 0.95), ``submit_many`` jobs per second, the time from enqueue to the
+first streamed token on an idle worker, and the 1-minute load average.
 
 Usage: ``python -m bench.service [--model DIR|FILE.gguf | --preset tiny|bench|smollm2]
-[--requests 96]`` (without ``--model`` the tiny or bench checkpoint is built into a temporary
-directory; ``smollm2`` is the embedded default model).
+[--requests 96] [--rounds 3] [--baseline-tree DIR]`` (without ``--model`` the tiny or bench
+checkpoint is built into a temporary directory; ``smollm2`` is the embedded default model).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import subprocess
@@ -20,7 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bench.common import emit
 from bench.throughput import Workload, make_mixed, model_numbers
@@ -30,6 +35,9 @@ from pagedserve.params import SamplingParams
 from pagedserve.redis_util import URL_ENV, LocalRedisServer
 from pagedserve.schemas import JobRequest
 from pagedserve.store import JobStore
+
+if TYPE_CHECKING:
+    from worker.engine import Engine
 
 MAX_MODEL_LEN = 1024
 
@@ -71,8 +79,8 @@ def params_of(wl: Workload) -> list[SamplingParams]:
     return [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in wl.max_tokens]
 
 
-def run_offline(model: Path, wl: Workload, args: argparse.Namespace) -> float:
-    """Seconds for the offline engine to run the workload (after a warm-up request)."""
+def offline_engine(model: Path, args: argparse.Namespace) -> Engine:
+    """The offline engine, warmed up by one request (kept for every round)."""
     from worker.engine import Engine
     from worker.outputs import EngineConfig
 
@@ -87,26 +95,39 @@ def run_offline(model: Path, wl: Workload, args: argparse.Namespace) -> float:
     eng.add_request("warm", [10, 11, 12, 13], SamplingParams(temperature=0, max_tokens=4))
     while eng.has_unfinished():
         eng.step()
+    return eng
+
+
+def run_offline(eng: Engine, wl: Workload, tag: str) -> float:
+    """Seconds for the offline engine to run the workload."""
     t0 = time.perf_counter()
     for i, (p, sp) in enumerate(zip(wl.prompts, params_of(wl), strict=True)):
-        eng.add_request(str(i), p, sp)
+        eng.add_request(f"{tag}-{i}", p, sp)
     while eng.has_unfinished():
         eng.step()
     return time.perf_counter() - t0
 
 
 def start_worker(
-    url: str, model: Path, args: argparse.Namespace, log: Path, extra: tuple[str, ...] = ()
+    url: str,
+    model: Path,
+    args: argparse.Namespace,
+    log: Path,
+    extra: tuple[str, ...] = (),
+    tree: Path | None = None,
 ) -> subprocess.Popen:
     """A ``pagedserve worker`` process (id ``bench``) with the bench's engine options plus
-    ``extra`` flags, once its first heartbeat is in."""
+    ``extra`` flags, once its first heartbeat is in; with ``tree``, one running that source
+    tree (``PYTHONPATH``, and started in it)."""
     env = dict(os.environ, **{URL_ENV: url, PREFIX_ENV: DEFAULT_PREFIX})
     env.setdefault("OMP_NUM_THREADS", str(args.threads))
+    if tree is not None:
+        env["PYTHONPATH"] = str(tree)
     cmd = [sys.executable, "-m", "stack", "worker", "--model", str(model),
            "--worker-id", "bench", "--log-level", "WARNING", *engine_options(args)]  # fmt: skip
     cmd += extra
     with log.open("wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=tree)
     store = JobStore(url)
     deadline = time.monotonic() + 300
     while "bench" not in store.workers():
@@ -158,54 +179,110 @@ def submit_rate(url: str, jobs: int) -> float:
     return jobs / (time.perf_counter() - t0)
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--model", type=Path, default=None, help="HF checkpoint dir or .gguf file")
     ap.add_argument("--preset", choices=("tiny", "bench", "smollm2"), default="tiny")
     ap.add_argument("--requests", type=int, default=96)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (seed + round)")
+    ap.add_argument("--baseline-tree", type=Path, default=None,
+                    help="also run a worker from this source tree, alternating (A/B)")  # fmt: skip
     ap.add_argument("--threads", type=int, default=1, help="torch threads (both runs)")
     ap.add_argument("--kv-cache-memory", type=int, default=256 << 20)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--submit-jobs", type=int, default=20_000)
     ap.add_argument("--ttft-repeats", type=int, default=5)
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
-    with tempfile.TemporaryDirectory(prefix="psbench-") as tmp:
+
+def cpu_s(pid: int | None = None) -> float:
+    """CPU seconds (user + system) of this process, or of process ``pid`` (Linux ``/proc``)."""
+    if pid is None:
+        return time.process_time()
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_rounds(
+    eng: Engine, workers: dict[str, tuple[str, int]], vocab: int, args: argparse.Namespace
+) -> dict[str, dict[str, list[float]]]:
+    """Per system (``offline`` and each worker: url, pid) and round: output tok/s and CPU seconds
+    (this process for the offline engine, the worker process for a worker). Round ``r`` runs
+    workload seed ``seed + r`` on each, in an order rotated by one every round."""
+    systems = ["offline", *workers]
+    got: dict[str, dict[str, list[float]]] = {n: {"tok_s": [], "cpu_s": []} for n in systems}
+    for r in range(args.rounds):
+        wl = make_mixed(args.requests, vocab, args.seed + r)
+        k = r % len(systems)
+        for name in systems[k:] + systems[:k]:
+            pid = None if name == "offline" else workers[name][1]
+            cpu0 = cpu_s(pid)
+            if name == "offline":
+                wall = run_offline(eng, wl, f"r{r}")
+            else:
+                wall = run_service(workers[name][0], wl)
+            got[name]["cpu_s"].append(cpu_s(pid) - cpu0)
+            got[name]["tok_s"].append(wl.output_tokens / wall)
+    return got
+
+
+def summary(got: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
+    """Medians, and each worker's per-round ratio to the offline engine (and to the baseline
+    worker, when there is one) with their median; CPU seconds per round of each."""
+    out: dict[str, Any] = {}
+    tps = {name: g["tok_s"] for name, g in got.items()}
+    for name, xs in tps.items():
+        out[f"{name}_tok_s"] = round(statistics.median(xs), 1)
+        out[f"{name}_tok_s_rounds"] = [round(x, 1) for x in xs]
+        out[f"{name}_cpu_s_rounds"] = [round(x, 2) for x in got[name]["cpu_s"]]
+    pairs = [(n, "offline") for n in tps if n != "offline"]
+    if "baseline" in tps:
+        pairs.append(("service", "baseline"))
+    for a, b in pairs:
+        ratios = [x / y for x, y in zip(tps[a], tps[b], strict=True)]
+        out[f"{a}_over_{b}_rounds"] = [round(x, 3) for x in ratios]
+        out[f"{a}_over_{b}"] = round(statistics.median(ratios), 3)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="psbench-") as tmp, contextlib.ExitStack() as stack:
         work = Path(tmp)
         name, model = pick_model(args, work)
         vocab, params = model_numbers(model)
-        wl = make_mixed(args.requests, vocab, args.seed)
-        offline_s = run_offline(model, wl, args)
-        out: dict[str, Any] = {"model": name, "non_embedding_params": params}
-        with LocalRedisServer() as server:
-            proc = start_worker(server.url, model, args, work / "worker.log")
-            try:
-                client = Client(server.url)
-                ttft = time_to_first_token(client, args.ttft_repeats)
-                service_s = run_service(server.url, wl)
-            finally:
-                proc.terminate()
-                proc.wait(timeout=60)
-            jobs_per_s = submit_rate(server.url, args.submit_jobs)
-    offline_tps = wl.output_tokens / offline_s
-    service_tps = wl.output_tokens / service_s
-    out |= {
+        eng = offline_engine(model, args)
+        trees = {"service": None, "baseline": args.baseline_tree}
+        workers: dict[str, tuple[str, int]] = {}
+        for system, tree in trees.items():
+            if system == "baseline" and tree is None:
+                continue
+            url = stack.enter_context(LocalRedisServer()).url
+            proc = start_worker(url, model, args, work / f"{system}.log", tree=tree)
+            stack.callback(proc.wait, 60)
+            stack.callback(proc.terminate)
+            workers[system] = (url, proc.pid)
+        url = workers["service"][0]
+        ttft = time_to_first_token(Client(url), args.ttft_repeats)
+        got = run_rounds(eng, workers, vocab, args)
+        jobs_per_s = submit_rate(url, args.submit_jobs)
+    wl = make_mixed(args.requests, vocab, args.seed)
+    emit("service", {
+        "model": name,
+        "non_embedding_params": params,
         "workload": "mixed",
         "requests": args.requests,
-        "prompt_tokens": wl.prompt_tokens,
+        "prompt_tokens": wl.prompt_tokens,  # of round 0 (seed); later rounds use seed + round
         "output_tokens": wl.output_tokens,
         "threads": args.threads,
-        "offline_s": round(offline_s, 3),
-        "service_s": round(service_s, 3),
-        "offline_tok_s": round(offline_tps, 1),
-        "service_tok_s": round(service_tps, 1),
-        "service_over_offline": round(service_tps / offline_tps, 3),
+        "rounds": args.rounds,
+        **summary(got),
         "submit_many_jobs_per_s": round(jobs_per_s, 1),
         "enqueue_to_first_token_ms": round(ttft * 1e3, 2),
-    }
-    emit("service", out)
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+    })  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -21,8 +21,6 @@ class JobState:
     latest: RequestOutput | None = None
     #: Per completion index: (tokens, characters) already published as progress.
     published: dict[int, tuple[int, int]] = field(default_factory=dict)
-    last_flush: float = 0.0
-    flushed_once: bool = False
     first_token_seen: bool = False
 
     @property
@@ -36,39 +34,25 @@ class JobState:
         """Make everything generated so far pending again (after a ``restart`` event told
         followers to discard what they had, while this run goes on)."""
         self.published.clear()
-        self.flushed_once = False
-
-    def has_pending(self) -> bool:
-        return bool(self._pending())
-
-    def _pending(self) -> list[tuple[int, list[int], str]]:
-        """(index, unpublished token ids, unpublished text) of completions with anything new."""
-        if self.latest is None:
-            return []
-        out = []
-        for c in sorted(self.latest.outputs, key=lambda c: c.index):
-            toks, chars = self.published.get(c.index, (0, 0))
-            if len(c.token_ids) > toks or len(c.text) > chars:
-                out.append((c.index, c.token_ids[toks:], c.text[chars:]))
-        return out
 
     def take_progress(self) -> list[Progress]:
-        """The unpublished increments, one :class:`Progress` per completion; marks them sent."""
-        pending = self._pending()
-        total = self.tokens
-        out = []
-        for i, ids, text in pending:
-            out.append(
-                Progress(
-                    self.lease,
-                    tokens_generated=total,
-                    delta_text=text,
-                    delta_token_ids=tuple(ids),
-                    index=i,
-                )
-            )
-            toks, chars = self.published.get(i, (0, 0))
-            self.published[i] = (toks + len(ids), chars + len(text))
+        """The unpublished increments, one :class:`Progress` per completion with anything new
+        (by index); marks them sent. Called for every running job at each flush: one pass."""
+        if self.latest is None:
+            return []
+        outputs = self.latest.outputs
+        if len(outputs) > 1:
+            outputs = sorted(outputs, key=lambda c: c.index)
+        total = sum(len(c.token_ids) for c in outputs)
+        out: list[Progress] = []
+        for c in outputs:
+            ntok, nchar = len(c.token_ids), len(c.text)
+            toks, chars = self.published.get(c.index, (0, 0))
+            if ntok > toks or nchar > chars:
+                ids = tuple(c.token_ids[toks:])
+                text = c.text[chars:]
+                out.append(Progress(self.lease, total, text, ids, c.index, ntok + nchar))
+                self.published[c.index] = (ntok, nchar)
         return out
 
 

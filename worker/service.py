@@ -7,21 +7,23 @@ One iteration of the loop:
    interactive before bulk), reclaim entries of dead workers (XAUTOCLAIM), renew the leases of
    running jobs, publish the heartbeat.
 2. ``engine.step()`` when the engine has work.
-3. One ``commit_step`` round trip: rate-limited progress deltas, final writes, and the drain of this
-   worker's cancel set (cancelled and lost jobs are aborted in the engine at once).
+3. The step's writes (every job's deltas once per ``progress_interval_s``, a first token at once;
+   final writes) go to ``worker.writer``, whose thread sends them with the cancel-set drain while
+   the loop steps on; Redis's answers come back (cancelled and lost jobs are aborted at once).
 
-Redis errors never stop the loop: the engine keeps stepping, progress accumulates, final writes are
-buffered, and Redis is retried with backoff. Nothing one job carries stops it either: a write of
-one job that Redis refuses with an error (a key of the wrong type, say) fails that job with the
-reason, a lease that cannot be read dead-letters its entry, and the loop goes on.
+Redis errors never stop the loop: the engine keeps stepping, the writer merges progress per job,
+keeps final writes and retries Redis with backoff. Nothing one job carries stops it either: a
+write of one job that Redis refuses with an error (a key of the wrong type, say) fails that job
+with the reason, a lease that cannot be read dead-letters its entry, and the loop goes on.
 
 SIGTERM / SIGINT drain: no more claims, running jobs get ``--grace-s`` seconds, the rest go back to
-the queue (``store.release``), exit status 0.
+the queue (``store.release``), the writer writes what it holds, exit status 0.
 
 A job's tokens and text are the engine's: each step's ``RequestOutput`` is cumulative, and the
 loop's per-job state (``worker.job_state``) is the lease, a flush timer and a cursor of what was
 published. Around this module: ``worker.service_config`` (options and argparse),
-``worker.redis_guard`` (backoff, Redis clock), ``worker.service_telemetry`` (the heartbeat).
+``worker.redis_guard`` (backoff, Redis clock), ``worker.service_telemetry`` (the heartbeat),
+``worker.writer`` (the writes' thread).
 """
 
 from __future__ import annotations
@@ -31,12 +33,12 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from pagedserve.keys import PREFIX_ENV
-from pagedserve.store import Finish, JobStore, Lease, Progress, WriteError
+from pagedserve.store import Finish, JobStore, Lease, Progress, StepResult, WriteError
 from pagedserve.telemetry import WorkerHeartbeat
 from worker.job_state import JobState, partial_result, result_of
 from worker.outputs import RequestOutput, RequestRejected
@@ -49,6 +51,7 @@ from worker.service_config import (
     service_config,
 )
 from worker.service_telemetry import ServiceTelemetry
+from worker.writer import WRITE_FAILED, Writer
 
 if TYPE_CHECKING:
     from worker.engine import Engine
@@ -56,6 +59,7 @@ if TYPE_CHECKING:
 __all__ = [
     "PREFIX_ENV",
     "REDIS_DOWN",
+    "WRITE_FAILED",
     "JobState",
     "ServiceConfig",
     "Worker",
@@ -67,8 +71,6 @@ __all__ = [
 
 log = logging.getLogger("pagedserve.worker")
 
-#: How the failure reason of a job whose state Redis refused to write begins.
-WRITE_FAILED = "could not write the job's state: "
 #: Most jobs leased by one claim call.
 MAX_CLAIM = 64
 
@@ -82,8 +84,11 @@ class Worker:
         self.store = store
         self.cfg = cfg
         self.jobs: dict[str, JobState] = {}
-        self.unsent: list[Finish] = []  # final writes waiting for Redis
+        self.unsent: list[Finish] = []  # this iteration's final writes, for the writer
         self.unsent_progress: list[Progress] = []
+        self.writer = Writer(store, cfg.worker_id, cfg.cancel_poll_s)
+        self.urgent: list[JobState] = []  # to flush at the next step (first token, replay)
+        self.next_flush = 0.0  # when every job's progress is flushed next
         self.draining = False
         self.drain_deadline = float("inf")
         self.guard = RedisGuard(store)
@@ -131,6 +136,7 @@ class Worker:
             st.lease = lease
             if lease.deliveries > 1:
                 st.replay()  # the lease started its events over: send what it has so far again
+                self.urgent.append(st)
             return
         if req.model is not None and req.model != self.engine.model_name:
             # One consumer group serves one model: a job for another model is an input error.
@@ -232,25 +238,32 @@ class Worker:
 
     # ----------------------------------------------------------------- stepping
     def step(self) -> None:
+        """One engine step, and the progress it makes due (all jobs together: one batch)."""
         self._add_tokenized()
         outputs = self.engine.step() if self.engine.has_unfinished() else []
-        now = time.monotonic()
+        jobs = self.jobs
         for out in outputs:
-            st = self.jobs.get(out.request_id)
+            st = jobs.get(out.request_id)
             if st is None:
                 continue
-            st.observe(out)
+            st.latest = out
             if not st.first_token_seen and st.tokens > 0:
                 st.first_token_seen = True
                 self.telemetry.ttft.observe(max(0.0, self.guard.now() - st.created_at))
+                self.urgent.append(st)
             if out.finished:
                 self._finish(st, out)
-        for st in self.jobs.values():
-            due = now - st.last_flush >= self.cfg.progress_interval_s
-            if (due or not st.flushed_once) and st.has_pending():
-                self.unsent_progress += st.take_progress()
-                st.last_flush = now
-                st.flushed_once = True
+        now = time.monotonic()
+        if now >= self.next_flush:
+            self.next_flush = now + self.cfg.progress_interval_s
+            flush: Iterable[JobState] = jobs.values()
+        elif self.urgent:
+            flush = [st for st in self.urgent if jobs.get(st.lease.job_id) is st]
+        else:
+            return
+        self.urgent = []
+        for st in flush:
+            self.unsent_progress += st.take_progress()
 
     def _finish(self, st: JobState, out: RequestOutput) -> None:
         self.jobs.pop(st.lease.job_id, None)
@@ -263,18 +276,21 @@ class Worker:
         self._final(Finish(lease, "succeeded", result=result_of(out)))
 
     def commit(self) -> None:
-        """One round trip: progress, final writes, cancel drain."""
-        if not (self.jobs or self.unsent or self.unsent_progress):
-            return
-        progress, finals = self.unsent_progress, self.unsent
-        try:
-            res = self._redis(
-                self.store.commit_step, self.cfg.worker_id, progress=progress, finished=finals
-            )
-        except RedisDown:
-            return  # kept: sent when Redis is back
+        """Hand this iteration's writes to the writer (no round trip here), and act on what
+        Redis answered to earlier ones: lost leases, write errors, cancel requests."""
+        self.writer.put(self.unsent_progress, self.unsent, cancels=bool(self.jobs))
         self.unsent_progress, self.unsent = [], []
-        self._drop_lost(res.lost)
+        for res in self.writer.take_reports():
+            self._on_report(res)
+        if self.unsent:  # cancellations and refused final writes: sent at once
+            self.writer.put(self.unsent_progress, self.unsent, cancels=bool(self.jobs))
+            self.unsent_progress, self.unsent = [], []
+
+    def _on_report(self, res: StepResult) -> None:
+        for jid, fence in res.refused:
+            st = self.jobs.get(jid)
+            if st is not None and st.lease.fence == fence:  # not a newer lease of the job
+                self._drop_lost([jid])
         for err in res.errors:
             self._write_failed(err)
         for jid in res.cancels:
@@ -283,8 +299,6 @@ class Worker:
                 continue
             partial = self.engine.abort(jid) or st.latest
             self._final(Finish(st.lease, "cancelled", result=partial_result(partial)))
-        if res.cancels & {f.lease.job_id for f in self.unsent}:
-            self.commit()  # write the cancellations at once
 
     def _write_failed(self, err: WriteError) -> None:
         """A write of one job that Redis refused with an error. A running job is aborted and
@@ -309,7 +323,9 @@ class Worker:
 
     # ----------------------------------------------------------------- drain
     def drain_expired(self) -> None:
-        """Past the grace period: hand running jobs back to the queue."""
+        """Past the grace period: hand running jobs back to the queue (after their progress)."""
+        self.commit()
+        self.writer.flush(self.cfg.writer_drain_s)
         for jid, st in list(self.jobs.items()):
             self.engine.abort(jid)
             self.jobs.pop(jid)
@@ -324,7 +340,7 @@ class Worker:
         return self.telemetry.heartbeat(
             worker_id=self.cfg.worker_id,
             model=getattr(self.engine, "model_name", ""),
-            state="reconnecting" if not self.guard.ok else state,
+            state="reconnecting" if not (self.guard.ok and self.writer.guard.ok) else state,
             engine=self.engine.heartbeat_stats(),
             jobs=self.jobs,
             context=self.pretok.context,
@@ -341,19 +357,22 @@ class Worker:
         log.info("worker %s serving %s", self.cfg.worker_id, self.engine.model_name)
         while True:
             if self.draining:
-                if not self.jobs and not self.unsent and not self.unsent_progress:
+                if not self.jobs and not self.unsent and self.writer.idle():
                     break
                 if time.monotonic() >= self.drain_deadline:
                     self.drain_expired()
                     self.commit()
-                    if self.unsent and not self.guard.ok:
-                        log.warning("exiting with %d unsent results", len(self.unsent))
                     break
             self.housekeeping()
             self.step()
             self.commit()
-            if not self.guard.ok and not self.engine.has_unfinished():
-                time.sleep(self.guard.wait_s())
+            if not self.engine.has_unfinished():
+                if not self.guard.ok:
+                    time.sleep(self.guard.wait_s())
+                elif self.draining:  # only the writer has work left: wait for it, do not spin
+                    self.writer.flush(0.05)
+        if not self.writer.close(self.cfg.writer_drain_s):  # a down Redis: retried that long
+            log.warning("exiting with %d unsent results", self.writer.unsent_finals())
         with contextlib.suppress(*REDIS_DOWN):
             self.store.r.delete(self.store.keys.worker(self.cfg.worker_id))
         log.info("worker %s stopped", self.cfg.worker_id)

@@ -54,6 +54,10 @@ class ServiceConfig:
     # found jobs is repeated at once); new work waits at most this long for a busy worker.
     claim_interval_s: float = 0.05
     throughput_window_s: float = 10.0
+    # While jobs run, the writer drains the cancel set with every write and at least this often.
+    cancel_poll_s: float = 0.025
+    # At exit, how long the writer may go on retrying writes that Redis has not taken yet.
+    writer_drain_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not self.worker_id:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from pagedserve import openai_format
 from pagedserve.jobstore.base import Call, StoreBase
@@ -35,8 +35,6 @@ class Commits(StoreBase):
     def _finish_call(self, fin: Finish) -> Call:
         """The fenced final write; a batch job's line (built here) goes with it."""
         lease = fin.lease
-        if fin.status == "succeeded" and fin.result is None:
-            raise ValueError("a succeeded job needs a result")
         result = fin.result.model_dump_json(exclude_none=True) if fin.result is not None else ""
         tokens = str(fin.result.completion_tokens) if fin.result is not None else ""
         error = fin.error or ("failed" if fin.status == "failed" else "")
@@ -78,6 +76,7 @@ class Commits(StoreBase):
             p.delta_text,
             json.dumps(list(p.delta_token_ids), separators=(",", ":")),
             self.events_maxlen,
+            p.end,
         ]
         return ("progress", keys, args)
 
@@ -89,33 +88,61 @@ class Commits(StoreBase):
     ) -> StepResult:
         """One round trip per engine step: all progress updates, all final writes, and (with
         ``consumer``) the drain of that worker's cancel set. Refused writes (lease lost) are
-        reported in :attr:`StepResult.lost`, each job once."""
+        reported in :attr:`StepResult.lost`, each job once, and in :attr:`StepResult.refused`
+        with the fence of each refused write. A write that cannot be built or that Redis answers
+        with an error is reported in :attr:`StepResult.errors` (the other writes still count)."""
+        finished = list(finished)
+        if any(f.status == "succeeded" and f.result is None for f in finished):
+            raise ValueError("a succeeded job needs a result")  # the caller's bug, not the job's
         calls: list[Call] = []
-        ids: list[tuple[str, Finish | None]] = []
+        sent: list[tuple[Lease, Finish | None]] = []
+        out = StepResult()
         for p in progress:
-            calls.append(self._progress_call(p))
-            ids.append((p.lease.job_id, None))
+            self._add_call(calls, sent, out, p.lease, None, lambda p=p: self._progress_call(p))
         for f in finished:
-            calls.append(self._finish_call(f))
-            ids.append((f.lease.job_id, f))
+            self._add_call(calls, sent, out, f.lease, f, lambda f=f: self._finish_call(f))
         if consumer is not None:
             calls.append(("pop_cancels", [self.keys.cancel(consumer)], []))
         replies = self._exec(calls, raise_errors=False)
-        out = StepResult()
-        for (jid, fin), reply in zip(ids, replies, strict=False):
+        for (lease, fin), reply in zip(sent, replies, strict=False):
+            jid = lease.job_id
             if isinstance(reply, Exception):
                 log.warning("write for job %s failed: %s", jid, reply)
                 out.errors.append(WriteError(jid, str(reply), fin))
                 continue
             ok = reply[0] if isinstance(reply, list) else reply
-            if not ok and jid not in out.lost:
-                out.lost.append(jid)
-                log.warning("write for job %s refused: lease lost", jid)
+            if not ok:
+                out.refused.append((jid, lease.fence))
+                if jid not in out.lost:
+                    out.lost.append(jid)
+                    log.warning("write for job %s refused: lease lost", jid)
         if consumer is not None:
             if isinstance(replies[-1], Exception):
-                raise replies[-1]
-            out.cancels = set(replies[-1][0] or ())
+                # The writes above went through: a broken cancel set (a key of the wrong type)
+                # must not make the caller send them again, nor stop its writes.
+                log.warning("cancel set of %s not drained: %s", consumer, replies[-1])
+            else:
+                out.cancels = set(replies[-1][0] or ())
         return out
+
+    @staticmethod
+    def _add_call(
+        calls: list[Call],
+        sent: list[tuple[Lease, Finish | None]],
+        out: StepResult,
+        lease: Lease,
+        fin: Finish | None,
+        build: Callable[[], Call],
+    ) -> None:
+        """Append one job's call; one that cannot be built (an unserialisable value, a
+        succeeded job without a result) becomes that job's write error instead."""
+        try:
+            calls.append(build())
+        except Exception as e:
+            log.warning("write for job %s not built: %r", lease.job_id, e)
+            out.errors.append(WriteError(lease.job_id, f"{type(e).__name__}: {e}", fin))
+            return
+        sent.append((lease, fin))
 
     def progress(
         self,

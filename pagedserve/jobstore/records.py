@@ -114,6 +114,9 @@ class Progress:
     delta_text: str = ""
     delta_token_ids: Sequence[int] = ()
     index: int = 0
+    #: The completion's tokens + characters published once this delta is (0: unchecked). A
+    #: delta whose end its lease already wrote is skipped: a resent pipeline repeats nothing.
+    end: int = 0
 
 
 @dataclass(frozen=True)
@@ -165,6 +168,9 @@ class StepResult:
 
     #: Job ids whose progress or final write was refused: the lease is lost, drop the sequence.
     lost: list[str] = field(default_factory=list)
+    #: (job id, fence) of every refused write: a caller that may hold a newer lease of the same
+    #: job by then (written on another thread) drops the job only if the fence is its own.
+    refused: list[tuple[str, int]] = field(default_factory=list)
     #: Job ids a client asked to cancel (drained from this worker's cancel set).
     cancels: set[str] = field(default_factory=set)
     #: Writes Redis answered with an error (e.g. a key of the wrong type): the job cannot be

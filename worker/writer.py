@@ -1,0 +1,254 @@
+"""The service loop's writer: the writes of running jobs (progress deltas, final writes) and the
+drain of the worker's cancel set go to Redis on a thread of their own, so that an engine step
+never waits for a round trip.
+
+At fast steps (a small model on a CPU, any model on a GPU) one pipelined round trip per step
+costs a good part of the step. The loop hands its writes over with :meth:`Writer.put` (no I/O),
+the thread sends whatever piled up meanwhile as one :meth:`JobStore.commit_step` pipeline while
+the loop steps on, and the loop collects what Redis answered (refused writes, write errors,
+cancel requests) with :meth:`Writer.take_reports` and acts on it on its own thread.
+
+What stays as it was:
+
+- **Order.** Batches are sent one at a time, in order; within one, progress comes before final
+  writes. Pending deltas of one job, lease and completion are merged into one (text and token ids
+  concatenated, the newest token count): per job they are written in the order they were put, and
+  a job's final write goes after its last delta. A slow Redis means fewer, larger writes, never a
+  growing queue: what waits is one entry per running job and completion, and the final writes.
+- **Fencing, exactly once.** Every write is the fenced script it was (``progress.lua``,
+  ``finish.lua``: the result is written and the entry acked in one script, so a result is in
+  Redis before its entry leaves the pending list). A refused write comes back with its fence.
+- **Redis down.** The batch goes back in front of what came meanwhile and is retried with
+  backoff (:class:`RedisGuard`, the writer's own); nothing is dropped, the loop goes on.
+- **One job's error.** A write Redis answers with an error, or one that cannot be built, comes
+  back as that job's :class:`WriteError`: the loop fails the job (its rules), the worker goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+
+from pagedserve.store import Finish, JobStore, Progress, StepResult, WriteError
+from worker.redis_guard import RedisDown, RedisGuard
+
+log = logging.getLogger("pagedserve.worker")
+
+#: How the failure reason of a job whose state Redis refused to write begins.
+WRITE_FAILED = "could not write the job's state: "
+
+#: What pending deltas are merged by: (job id, fence, completion index, attempt).
+DeltaKey = tuple[str, int, int, int]
+
+
+@dataclass
+class Batch:
+    """One round trip's worth of writes."""
+
+    progress: dict[DeltaKey, Progress] = field(default_factory=dict)
+    finals: list[Finish] = field(default_factory=list)
+    cancels: bool = False  # drain the cancel set too
+    #: Failed sends so far. Deltas sent once (Redis may have run them before the connection
+    #: went) are sent again exactly as they were, and later ones never merge into them: the
+    #: progress script skips a delta its lease already wrote, never half of one.
+    attempt: int = 0
+
+    def add(self, progress: Iterable[Progress], finals: Sequence[Finish]) -> None:
+        for p in progress:
+            key = (p.lease.job_id, p.lease.fence, p.index, self.attempt)
+            old = self.progress.get(key)
+            if old is not None:
+                p = Progress(
+                    p.lease,
+                    max(old.tokens_generated, p.tokens_generated),
+                    old.delta_text + p.delta_text,
+                    (*old.delta_token_ids, *p.delta_token_ids),
+                    p.index,
+                    p.end,
+                )
+            self.progress[key] = p
+        self.finals += finals
+
+    def updates(self) -> list[Progress]:
+        """The merged deltas, each with its job's newest token count (a completion that had no
+        new delta lately must not write an older count after another's newer one)."""
+        newest: dict[tuple[str, int], int] = {}
+        for (jid, fence, _, _), p in self.progress.items():
+            newest[jid, fence] = max(newest.get((jid, fence), 0), p.tokens_generated)
+        return [
+            p if p.tokens_generated == newest[jid, fence] else
+            replace(p, tokens_generated=newest[jid, fence])
+            for (jid, fence, _, _), p in self.progress.items()
+        ]  # fmt: skip
+
+
+class Writer:
+    """A thread writing the service loop's job writes to Redis (see the module docstring).
+
+    The loop's side takes no lock: :meth:`put` appends to a ``queue.SimpleQueue`` (which wakes
+    the thread only when it waits on it), reports come back on another. The thread alone owns
+    the batch being gathered, so a batch that Redis did not take simply stays in front of what
+    comes after it. ``cancel_poll_s``: while the loop has running jobs (its last ``put(...,
+    cancels=True)``), the cancel set is drained with every batch, and at least this often when
+    there is nothing to write.
+    """
+
+    def __init__(self, store: JobStore, consumer: str, cancel_poll_s: float = 0.025) -> None:
+        self.store = store
+        self.consumer = consumer
+        self.cancel_poll_s = cancel_poll_s
+        self.guard = RedisGuard(store)
+        self._queue: queue.SimpleQueue[tuple[Sequence[Progress], Sequence[Finish]] | None]
+        self._queue = queue.SimpleQueue()
+        self._reports: queue.SimpleQueue[StepResult] = queue.SimpleQueue()
+        self._done = threading.Condition()  # notified when writes are written (for flush)
+        self._puts = self._written = 0  # writes put / written, counted by put() calls
+        self._finals_put = self._finals_written = 0
+        #: Jobs whose delta Redis refused with an error (the reason), until their final write.
+        self._broken: dict[str, str] = {}
+        self._poll_cancels = False
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    # ----------------------------------------------------------------- the loop's side
+    def put(self, progress: Sequence[Progress], finals: Sequence[Finish], cancels: bool) -> None:
+        """Queue writes; ``cancels``: whether the cancel set is to be drained from now on (the
+        loop has running jobs)."""
+        if self._closed:
+            raise RuntimeError("writer closed")
+        self._poll_cancels = cancels
+        if self._thread is None and (progress or finals or cancels):
+            self._thread = threading.Thread(target=self._run, name="pagedserve-writer", daemon=True)
+            self._thread.start()
+        if not (progress or finals):
+            return
+        self._puts += 1
+        self._finals_put += len(finals)
+        self._queue.put((progress, finals))
+
+    def take_reports(self) -> list[StepResult]:
+        """What Redis answered to the batches sent since the last call, in order."""
+        out = []
+        while not self._reports.empty():
+            out.append(self._reports.get_nowait())
+        return out
+
+    def idle(self) -> bool:
+        """Nothing waiting to be written or on its way, no report left to take."""
+        return self._written == self._puts and self._reports.empty()
+
+    def unsent_finals(self) -> int:
+        return self._finals_put - self._finals_written
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until every write put so far is written (or ``timeout``); ``True`` if it was."""
+        want = self._puts
+        with self._done:
+            return self._done.wait_for(lambda: self._written >= want, timeout)
+
+    def close(self, timeout: float) -> bool:
+        """Write what is pending (retrying a down Redis for up to ``timeout`` seconds) and stop
+        the thread. ``True`` if everything was written."""
+        done = self.flush(timeout)
+        self._closed = True
+        if self._thread is not None:
+            self._queue.put(None)  # wakes the thread: it ends
+            self._thread.join(1.0)
+        return done
+
+    # ----------------------------------------------------------------- the thread
+    def _run(self) -> None:
+        batch, taken, finals = Batch(), 0, 0
+        last_poll = 0.0
+        while not self._closed:
+            wait = self._wait_s(batch, last_poll)
+            try:
+                item = self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait()
+            except queue.Empty:
+                item = None
+            while item is not None:  # everything put meanwhile joins the batch, in order
+                batch.add(*item)
+                taken += 1
+                finals += len(item[1])
+                item = None if self._queue.empty() else self._queue.get_nowait()
+            if self._closed or time.monotonic() < self._retry_at():
+                continue
+            poll_due = self._poll_cancels and time.monotonic() >= last_poll + self.cancel_poll_s
+            if not (batch.progress or batch.finals or poll_due):
+                continue
+            batch.cancels = self._poll_cancels
+            if batch.cancels:
+                last_poll = time.monotonic()
+            if not self._send(batch):  # Redis down: kept, in front of what comes next
+                continue
+            with self._done:
+                self._written, self._finals_written = taken, finals
+                self._done.notify_all()
+
+    def _retry_at(self) -> float:
+        return 0.0 if self.guard.ok else self.guard.retry_at
+
+    def _wait_s(self, batch: Batch, last_poll: float) -> float:
+        """How long to wait for more writes: not at all with writes in hand (unless Redis is
+        down: until the retry), until the next cancel poll, or (nothing to do) a while."""
+        now = time.monotonic()
+        if batch.progress or batch.finals:
+            return max(0.0, self._retry_at() - now)
+        if self._poll_cancels:
+            return max(0.0, last_poll + self.cancel_poll_s - now, self._retry_at() - now)
+        return max(0.1, self.cancel_poll_s)  # a loop with no job yet: look again soon
+
+    def _send(self, batch: Batch) -> bool:
+        """Write the batch: its deltas (with the cancel drain), then its final writes, each
+        job's final write decided after its deltas were answered (a job whose delta Redis
+        refused with an error is failed with the reason, as the loop would have). Reports go to
+        the loop. ``False`` when Redis is down: what was not written stays in the batch."""
+        if batch.progress or batch.cancels:
+            consumer = self.consumer if batch.cancels else None
+            first = self._call(consumer, batch.updates(), [])
+            if first is None:
+                batch.attempt += 1
+                return False
+            batch.progress.clear()
+            batch.cancels = False
+            for err in first.errors:
+                self._broken[err.job_id] = err.message
+            self._reports.put(first)
+        if batch.finals:
+            batch.finals = [self._final_of(f) for f in batch.finals]
+            second = self._call(None, [], batch.finals)
+            if second is None:
+                return False
+            for f in batch.finals:
+                self._broken.pop(f.lease.job_id, None)
+            batch.finals = []
+            self._reports.put(second)
+        return True
+
+    def _final_of(self, fin: Finish) -> Finish:
+        """``fin``, or a failure with the reason for a job whose delta Redis refused."""
+        why = self._broken.get(fin.lease.job_id)
+        if why is None or fin.status == "failed":
+            return fin
+        return Finish(fin.lease, "failed", error=f"{WRITE_FAILED}{why}")
+
+    def _call(
+        self, consumer: str | None, updates: list[Progress], finals: list[Finish]
+    ) -> StepResult | None:
+        """One round trip; ``None`` when Redis is down."""
+        try:
+            return self.guard.call(
+                self.store.commit_step, consumer, progress=updates, finished=finals
+            )
+        except RedisDown:
+            return None
+        except Exception as e:  # an unexpected reply or a bug: these jobs fail, not the worker
+            log.exception("writer: %d writes failed", len(updates) + len(finals))
+            msg = f"{type(e).__name__}: {e}"
+            errors = [WriteError(p.lease.job_id, msg) for p in updates]
+            errors += [WriteError(f.lease.job_id, msg, f) for f in finals]
+            return StepResult(errors=errors)
