@@ -160,9 +160,6 @@ def _params(url: str, body: Mapping[str, Any], *, online: bool = False) -> dict[
     best_of = body.get("best_of")
     if best_of is not None and best_of != body.get("n", 1):
         raise ValueError("'best_of' other than n is not supported")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise ValueError("'response_format' other than {'type': 'text'} is not supported")
     p: dict[str, Any] = {k: body[k] for k in _DIRECT if body.get(k) is not None}
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if url == COMPLETIONS_URL:
@@ -173,12 +170,45 @@ def _params(url: str, body: Mapping[str, Any], *, online: bool = False) -> dict[
         p["max_tokens"] = max_tokens
         if body.get("logprobs"):
             p["logprobs"] = body.get("top_logprobs") or 0
+    so = _response_format(body.get("response_format"))
+    if body.get("structured_outputs") is not None:  # vLLM's extension, passed through
+        if so is not None:
+            raise ValueError("give either 'response_format' or 'structured_outputs', not both")
+        so = body["structured_outputs"]
+    if so is not None:
+        p["structured_outputs"] = so
     return p
+
+
+def _response_format(rf: Any) -> dict[str, Any] | None:
+    """OpenAI ``response_format`` -> ``structured_outputs``: ``text`` (none), ``json_object``
+    (any JSON object) or ``json_schema`` (``{"name", "schema", "strict"}``). The schema is
+    enforced whether ``strict`` is true or not (constrained decoding cannot be partial)."""
+    if rf is None:
+        return None
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json": True}
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise ValueError("response_format.json_schema.schema must be a JSON schema object")
+        if not isinstance(spec.get("strict", False), bool) or (
+            spec.get("name") is not None and not isinstance(spec["name"], str)
+        ):
+            raise ValueError("response_format.json_schema: 'strict' is a bool, 'name' a string")
+        return {"json": spec["schema"]}
+    raise ValueError(
+        f"response_format.type must be one of 'text', 'json_object', 'json_schema'; got {kind!r}"
+    )
 
 
 _KNOWN = frozenset(
     {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "logprobs"}
-    | {"top_logprobs", "stream", "echo", "best_of", "response_format", "priority", *_DIRECT}
+    | {"top_logprobs", "stream", "echo", "best_of", "response_format", "structured_outputs"}
+    | {"priority", *_DIRECT}
 )
 
 

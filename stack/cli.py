@@ -14,6 +14,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -141,6 +142,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=None)
     s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     s.add_argument("--ignore-eos", action="store_true")
+    so = s.add_mutually_exclusive_group()  # structured outputs: at most one constraint
+    so.add_argument("--json-schema", metavar="FILE", help="constrain to this JSON schema file")
+    so.add_argument("--json-object", action="store_true", help="constrain to any JSON object")
+    so.add_argument("--regex", help="constrain the text to match this regex")
+    so.add_argument("--choice", action="append", help="constrain to one of these (repeatable)")
+    so.add_argument("--grammar", metavar="FILE", help="constrain to this Lark or GBNF grammar")
     s.add_argument("--priority", choices=["interactive", "bulk"], default="interactive")
     s.add_argument("--idempotency-key", default=None)
     s.add_argument("--metadata", default=None, help="a JSON object stored with the job")
@@ -189,6 +196,21 @@ def _client(args: argparse.Namespace) -> Any:
     return Client(c.redis_url, prefix=c.prefix, tenant=c.tenant)
 
 
+def _structured_outputs(args: argparse.Namespace) -> dict | None:
+    """``SamplingParams.structured_outputs`` from the submit flags (files are read here)."""
+    if args.json_schema:
+        return {"json": json.loads(Path(args.json_schema).read_text())}
+    if args.json_object:
+        return {"json": True}
+    if args.regex is not None:
+        return {"regex": args.regex}
+    if args.choice:
+        return {"choice": args.choice}
+    if args.grammar:
+        return {"grammar": Path(args.grammar).read_text()}
+    return None
+
+
 def _submit(args: argparse.Namespace) -> int:
     from pagedserve.client import build_request
 
@@ -204,6 +226,9 @@ def _submit(args: argparse.Namespace) -> int:
         "ignore_eos": args.ignore_eos,
     }
     try:
+        so = _structured_outputs(args)
+        if so is not None:
+            params["structured_outputs"] = so
         prompt = json.loads(args.prompt) if args.chat else args.prompt
         metadata = json.loads(args.metadata) if args.metadata else None
         req = build_request(
@@ -214,7 +239,7 @@ def _submit(args: argparse.Namespace) -> int:
             metadata=metadata,
             model=args.model,
         )
-    except (ValidationError, json.JSONDecodeError) as e:
+    except (ValidationError, json.JSONDecodeError, OSError) as e:
         _print({"error": "invalid request", "detail": str(e)})
         return 2
     client = _client(args)

@@ -182,7 +182,7 @@ def test_unknown_model_is_404_at_once(stack: Stack) -> None:
         ({"temperature": "hot"}, "temperature", "temperature"),
         ({"extra_body": {"frobnicate": 1, "zap": 2}}, "['frobnicate', 'zap']", None),
         ({"top_p": 0}, "top_p", "top_p"),
-        ({"response_format": {"type": "json_object"}}, "response_format", None),
+        ({"response_format": {"type": "xml"}}, "response_format", None),
         ({"stream_options": {"include_usage": True}}, "stream_options", "stream_options"),
     ],
 )
@@ -207,6 +207,22 @@ def test_response_format_text_is_accepted(stack: Stack) -> None:
         model=stack.model, messages=MESSAGES, max_tokens=2, response_format={"type": "text"}
     )
     assert resp.usage.completion_tokens >= 1
+
+
+def test_response_format_json_schema_is_enforced_online(stack: Stack) -> None:
+    schema = {"type": "string", "enum": ["yes", "no"]}
+    fmt = {
+        "type": "json_schema",
+        "json_schema": {"name": "answer", "schema": schema, "strict": True},
+    }
+    resp = stack.client().chat.completions.create(
+        model=stack.model,
+        messages=MESSAGES,
+        max_tokens=32,
+        response_format=fmt,  # type: ignore[arg-type]
+    )
+    choice = resp.choices[0]
+    assert choice.finish_reason == "stop" and json.loads(choice.message.content) in ("yes", "no")
 
 
 # ----------------------------------------------------------------------------- package shape

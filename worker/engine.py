@@ -32,6 +32,7 @@ from worker.model_source import resolve_model, served_model_name
 from worker.outputs import EngineConfig, RequestOutput, RequestRejected
 from worker.request_state import CompletionState, RequestState, new_completion
 from worker.sampler import Sampler, SampleRow
+from worker.structured import ConstraintError, GrammarState, StructuredDecoding
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,9 @@ class Engine:
             )
         )
         self.sampler = Sampler()
+        self.structured = StructuredDecoding(
+            self.tokenizer, self.vocab_size, sorted(self.eos_token_ids), cfg.grammar_cache_bytes
+        )
         self._requests: dict[str, RequestState] = {}
         self._by_seq: dict[int, tuple[RequestState, CompletionState]] = {}
         self._stats = StatsKeeper()
@@ -121,6 +125,17 @@ class Engine:
             return None, list(prompt)
         raise RequestRejected("a request needs a prompt (text or token ids) or chat messages")
 
+    def prepare(self, params: SamplingParams) -> None:
+        """Work a request needs before it joins the batch, done by the caller's thread (the
+        service's pretokenize pool): compiling its constraint into the grammar cache."""
+        self._grammar_state(params)
+
+    def _grammar_state(self, params: SamplingParams) -> GrammarState | None:
+        try:
+            return self.structured.new_state(params.structured_outputs)
+        except ConstraintError as exc:
+            raise RequestRejected(f"structured_outputs: {exc}") from None
+
     def add_request(
         self,
         request_id: str,
@@ -150,6 +165,7 @@ class Engine:
         prio = _PRIORITIES.get(priority, priority) if isinstance(priority, str) else priority
         if prio not in (Priority.INTERACTIVE, Priority.BULK):
             raise RequestRejected(f"unknown priority {priority!r}; use 'interactive' or 'bulk'")
+        grammar = self._grammar_state(params)  # a cache hit once prepare() has run
         stop = StopConditions(
             max_tokens=max_tokens,
             min_tokens=params.min_tokens,
@@ -167,6 +183,7 @@ class Engine:
         completions = [new_completion(i, ids, params, self.tokenizer) for i in range(params.n)]
         req = RequestState(request_id, text, ids, params, completions, time.monotonic())
         completions[0].seq_id = seq.seq_id
+        completions[0].grammar = grammar
         self._requests[request_id] = req
         self._by_seq[seq.seq_id] = (req, completions[0])
 
@@ -213,6 +230,7 @@ class Engine:
     ) -> list[tuple[int, int]]:
         rows: list[SampleRow] = []
         owners: list[tuple[RequestState, CompletionState]] = []
+        constrained: list[tuple[int, GrammarState]] = []
         for s in out.scheduled:
             if not s.sample:
                 continue
@@ -221,6 +239,9 @@ class Engine:
             comps = req.completions if fork else [comp]
             seq = self.scheduler.get_sequence(s.seq_id)
             assert seq is not None  # scheduled this step, so still live
+            if comp.grammar is not None:
+                comp.grammar.sync(seq.output_token_ids)
+                constrained.append((len(rows), comp.grammar))
             rows.append(
                 SampleRow(
                     req.params,
@@ -231,6 +252,11 @@ class Engine:
                 )
             )
             owners.append((req, comp))
+        raw = logits
+        if constrained:  # one bitmask for every constrained row, applied in one call
+            if any(owners[i][0].params.logprobs is not None for i, _ in constrained):
+                raw = logits.clone()  # logprobs report the model's own distribution
+            self.structured.masks.apply(logits, constrained)
         tokens = self.sampler.sample(logits, rows)
         pairs: list[tuple[int, int]] = []
         for i, ((req, comp), toks) in enumerate(zip(owners, tokens, strict=True)):
@@ -239,12 +265,14 @@ class Engine:
                 for child_comp, _ in zip(req.completions[1:], toks[1:], strict=True):
                     child = self.scheduler.fork(comp.seq_id)  # type: ignore[arg-type]
                     child_comp.seq_id = child.seq_id
+                    if comp.grammar is not None:  # the parent has not consumed its token yet
+                        child_comp.grammar = comp.grammar.fork()
                     self._by_seq[child.seq_id] = (req, child_comp)
                 comps = req.completions
             else:
                 comps = [comp]
             if req.params.logprobs is not None:
-                lps = self.sampler.logprobs(logits[i], toks, req.params.logprobs)
+                lps = self.sampler.logprobs(raw[i], toks, req.params.logprobs)
                 for c, lp in zip(comps, lps, strict=True):
                     c.out.logprobs.append(lp)  # type: ignore[union-attr]
             for c, t in zip(comps, toks, strict=True):
@@ -262,6 +290,15 @@ class Engine:
             return
         req, comp = entry
         comp.out.token_ids.append(upd.token_id)
+        if comp.grammar is not None and upd.finish_reason is not FinishReason.STOP:
+            # A grammar completed by the max_tokens-th token still ends with "stop".
+            ended = self._grammar_end(comp.grammar, upd.token_id)
+            if ended is not None:
+                if comp.detok is not None and upd.token_id not in self.eos_token_ids:
+                    comp.detok.add([upd.token_id])  # the grammar's last token is text
+                self.scheduler.finish(upd.seq, ended)
+                self._finish_completion(req, comp, ended.value)
+                return
         # A stop token (EOS, stop_token_ids) stays in token_ids but not in the text, as in vLLM.
         if comp.detok is not None and upd.finish_reason is not FinishReason.STOP:
             _, stopped = comp.detok.add([upd.token_id])
@@ -272,6 +309,16 @@ class Engine:
         if upd.finish_reason is not None:
             self._finish_completion(req, comp, upd.finish_reason.value)
         changed[req.request_id] = req
+
+    @staticmethod
+    def _grammar_end(grammar: GrammarState, token: int) -> FinishReason | None:
+        """Feed ``token`` to the completion's matcher: STOP once the grammar has accepted its end
+        (EOS) even where EOS alone would not stop (ignore_eos, min_tokens); ABORT if the matcher
+        refuses a token (the mask makes that unreachable: never pass it off as valid)."""
+        if not grammar.accept(token):
+            log.error("a constrained completion sampled token %d outside its grammar", token)
+            return FinishReason.ABORT
+        return FinishReason.STOP if grammar.terminated else None
 
     def _on_finished_elsewhere(self, seq: Sequence, changed: dict[str, RequestState]) -> None:
         entry = self._by_seq.get(seq.seq_id)

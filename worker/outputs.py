@@ -39,6 +39,12 @@ class EngineConfig:
     )
     seed: int = field(default=0, metadata=opt("seed of the generator of requests that set none"))
     num_threads: int | None = field(default=None, metadata=opt("torch intra-op threads (CPU)"))
+    #: Structured outputs (worker.structured): the LRU of compiled constraints holds at most this
+    #: many bytes of grammar text (and at most 1024 constraints).
+    grammar_cache_bytes: int = field(
+        default=64 << 20,
+        metadata=opt("grammar text kept by the compiled-constraint cache", parse=parse_size),
+    )
 
 
 @dataclass(slots=True)

@@ -14,6 +14,7 @@ from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from pagedserve.params import SamplingParams
 from pagedserve.schemas import JobRequest
 from pagedserve.store import Lease
 
@@ -52,9 +53,15 @@ class Pretokenizer:
     """Jobs being tokenized: ``submit`` one, ``take_done`` the finished ones (ids or error)."""
 
     def __init__(
-        self, tokenize: Tokenize, threads: int = TOKENIZE_THREADS, context: dict | None = None
+        self,
+        tokenize: Tokenize,
+        threads: int = TOKENIZE_THREADS,
+        context: dict | None = None,
+        prepare: Callable[[SamplingParams], None] | None = None,
     ) -> None:
         self.tokenize = tokenize
+        #: Run after tokenizing, in the same thread (the engine compiles a job's constraint).
+        self.prepare = prepare
         #: What the heartbeat publishes about the context (:func:`context_info`).
         self.context: dict[str, int] = context or {}
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tokenize")
@@ -62,18 +69,32 @@ class Pretokenizer:
 
     @classmethod
     def for_engine(cls, engine: Any) -> Pretokenizer:
-        return cls(engine.tokenize, context=context_info(engine))
+        return cls(engine.tokenize, context=context_info(engine), prepare=engine.prepare)
 
     @staticmethod
     def wanted(req: JobRequest) -> bool:
-        """Text and chat need tokenizing; token ids go to the engine directly."""
-        return req.prompt is None or isinstance(req.prompt, str)
+        """Text and chat need tokenizing, a constraint compiling; plain token ids go to the
+        engine directly."""
+        return (
+            req.prompt is None
+            or isinstance(req.prompt, str)
+            or req.params.structured_outputs is not None
+        )
 
     def submit(self, lease: Lease) -> None:
         req = lease.request
         messages = [m.model_dump() for m in req.messages] if req.messages is not None else None
         prompt = req.prompt if messages is None else None
-        self.pending[lease.job_id] = (lease, self.pool.submit(self.tokenize, prompt, messages))
+        job = self.pool.submit(self._run, prompt, messages, req.params)
+        self.pending[lease.job_id] = (lease, job)
+
+    def _run(
+        self, prompt: str | list[int] | None, messages: list[dict] | None, params: SamplingParams
+    ) -> tuple[str | None, list[int]]:
+        got = self.tokenize(prompt, messages)
+        if self.prepare is not None:
+            self.prepare(params)
+        return got
 
     def take_done(self, wait_s: float = 0.0) -> list[tuple[Lease, list[int] | BaseException]]:
         """Finished tokenizations, in submission order (each returned once); with ``wait_s``,

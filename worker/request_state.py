@@ -11,6 +11,7 @@ import torch
 from pagedserve.params import SamplingParams
 from worker.detokenizer import IncrementalDetokenizer
 from worker.outputs import CompletionOutput, RequestOutput
+from worker.structured import GrammarState
 
 
 @dataclass(slots=True)
@@ -25,6 +26,7 @@ class CompletionState:
     seq_id: int | None = None
     reported_tokens: int = 0
     reported_chars: int = 0
+    grammar: GrammarState | None = None  # its matcher, when the request is constrained
 
     def finish(self, reason: str) -> None:
         if self.detok is not None:
