@@ -248,7 +248,7 @@ def test_interactive_jobs_are_not_delayed_by_bulk_admission(
     pre = prefixes(4)
     prompts = [pre[i % 4] + [4 + i] for i in range(120)]
     bulk = client.submit_many(prompts, {**SHORT, "max_tokens": 12}, priority="bulk")
-    start_worker(redis_url, model_dir, "w", "--max-num-seqs", "8")
+    start_worker(redis_url, model_dir, "w", "--max-num-seqs", "8", "--admission", "prefix")
     wait_for(lambda: any(s.terminal for s in client.store.statuses(bulk)), what="bulk running")
     inter = client.submit("an interactive question", SHORT)
     rec = client.wait(inter, timeout=60)
@@ -266,7 +266,8 @@ def test_kill9_with_admission_every_job_exactly_once(
     pre = prefixes(4, length=48)
     prompts = [pre[random.Random(i).randrange(4)] + [4 + i % 400] for i in range(200)]
     ids = client.submit_many(prompts, {**SHORT, "max_tokens": 24}, priority="bulk")
-    opts = ("--max-num-seqs", "16", "--affinity-ttl-ms", "1000", "--admission-steal-ms", "1000")
+    opts = ("--max-num-seqs", "16", "--affinity-ttl-ms", "1000", "--admission-steal-ms", "1000",
+            "--admission", "prefix")  # fmt: skip
     a = start_worker(redis_url, model_dir, "a", *opts, ready=False)
     b = start_worker(redis_url, model_dir, "b", *opts, ready=False)
     a.wait_ready(120), b.wait_ready(120)
@@ -301,7 +302,10 @@ def test_pool_and_metrics_show_cached_prefixes(
     client = Client(redis_url)
     pre = prefixes(2)
     ids = client.submit_many([pre[i % 2] + [4 + i] for i in range(24)], SHORT, priority="bulk")
-    start_worker(redis_url, model_dir, "w", "--max-num-seqs", "8", "--prefix-groups", "2")
+    start_worker(
+        redis_url, model_dir, "w", "--max-num-seqs", "8", "--prefix-groups", "2",
+        "--admission", "prefix",
+    )  # fmt: skip
     assert all(r.status == JobStatus.SUCCEEDED for r in client.wait_many(ids, timeout=120))
     sigs = {sig_of(p) for p in pre}
 
