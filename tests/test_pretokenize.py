@@ -81,7 +81,8 @@ def test_tokenizing_runs_off_the_step_loop(redis_url: str, engine: Engine) -> No
 
 def test_cancelled_while_tokenizing_and_template_errors(redis_url: str, engine: Engine) -> None:
     store = JobStore(redis_url, lease_ms=60_000)
-    w = Worker(engine, store, ServiceConfig(worker_id="w", redis_url=redis_url))
+    # An id of its own: no other worker of the suite may drain this worker's cancel set.
+    w = Worker(engine, store, ServiceConfig(worker_id="pretok-cancel", redis_url=redis_url))
     release = threading.Event()
     real = w.pretok.tokenize
     w.pretok.tokenize = lambda p, m: (release.wait(30), real(p, m))[1]
