@@ -41,6 +41,17 @@ def sse_data(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
+def follow_job(state: AppState, call: OnlineCall, job_id: str) -> Iterator[Any]:
+    """The job's events (:func:`pagedserve.events.follow_events`) until the call's deadline."""
+    return follow_events(
+        state.store,
+        job_id,
+        count=256,
+        block_ms=lambda: state.config.sse_block_ms,
+        keep_going=lambda: time.monotonic() < call.deadline,
+    )
+
+
 class Diverged(Exception):
     """A restarted run produced text other than what the client was already sent."""
 
@@ -80,13 +91,7 @@ def _follow(
 ) -> Generator[str, None, dict[int, ChoiceText]]:
     """Chunks of one job's deltas until its end; returns each choice's shown text."""
     texts: dict[int, ChoiceText] = {}
-    for item in follow_events(
-        state.store,
-        job_id,
-        count=256,
-        block_ms=lambda: state.config.sse_block_ms,
-        keep_going=lambda: time.monotonic() < call.deadline,
-    ):
+    for item in follow_job(state, call, job_id):
         if isinstance(item, Idle):
             yield KEEP_ALIVE
         elif isinstance(item, Gone) or item.type == "end":

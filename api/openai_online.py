@@ -29,8 +29,9 @@ from pydantic import ValidationError
 from api.errors import ApiError, describe_validation, json_body
 from api.jobs import enqueue_checked
 from api.models_route import require_model
+from api.online_stream import follow_job
 from api.state import AppState, get_state
-from pagedserve.events import Gone, follow_events
+from pagedserve.events import Gone
 from pagedserve.openai_input import CHAT_URL, COMPLETIONS_URL, body_requests
 from pagedserve.openai_output import response_body
 from pagedserve.schemas import DeltaEvent, JobRecord, JobRequest, JobStatus
@@ -152,13 +153,7 @@ def cancel_jobs(state: AppState, job_ids: list[str]) -> None:
 def wait_record(state: AppState, call: OnlineCall, job_id: str) -> JobRecord | None:
     """The job's record once it ended, or as it stands when the deadline passed (``None``: it
     expired or vanished)."""
-    for item in follow_events(
-        state.store,
-        job_id,
-        count=256,
-        block_ms=lambda: state.config.sse_block_ms,
-        keep_going=lambda: time.monotonic() < call.deadline,
-    ):
+    for item in follow_job(state, call, job_id):
         if isinstance(item, Gone) or (isinstance(item, DeltaEvent) and item.type == "end"):
             break
     return state.store.get(job_id)
