@@ -52,6 +52,7 @@ def list_models() -> dict[str, Any]:
     return {"object": "list", "data": [model_object(m, hbs) for m, hbs in sorted(models.items())]}
 
 
-@bp.get("/v1/models/<model_id>")
+@bp.get("/v1/models/<path:model_id>")
 def get_model(model_id: str) -> dict[str, Any]:
+    """A model id may hold slashes (``org/name``), as the openai client sends it unescaped."""
     return model_object(model_id, require_model(get_state(), model_id))

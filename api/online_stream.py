@@ -42,13 +42,14 @@ def sse_data(obj: Any) -> str:
 
 
 def follow_job(state: AppState, call: OnlineCall, job_id: str) -> Iterator[Any]:
-    """The job's events (:func:`pagedserve.events.follow_events`) until the call's deadline."""
+    """The job's events (:func:`pagedserve.events.follow_events`) until the call's deadline,
+    or until the client went away (then the request's release cancels the job)."""
     return follow_events(
         state.store,
         job_id,
         count=256,
         block_ms=lambda: state.config.sse_block_ms,
-        keep_going=lambda: time.monotonic() < call.deadline,
+        keep_going=lambda: time.monotonic() < call.deadline and not call.gone(),
     )
 
 

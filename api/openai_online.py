@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from flask import Blueprint, Response, request, stream_with_context
@@ -30,6 +30,7 @@ from api.errors import ApiError, describe_validation, json_body
 from api.jobs import enqueue_checked
 from api.models_route import require_model
 from api.online_stream import follow_job
+from api.peer import peer_gone
 from api.state import AppState, get_state
 from pagedserve.events import Gone
 from pagedserve.openai_input import CHAT_URL, COMPLETIONS_URL, body_requests
@@ -53,6 +54,8 @@ class OnlineCall:
     created: int
     deadline: float
     include_usage: bool = False
+    #: True once the client closed its connection (:func:`api.peer.peer_gone`).
+    gone: Callable[[], bool] = field(default=lambda: False, repr=False)
 
 
 def seats(state: AppState) -> threading.BoundedSemaphore:
@@ -131,6 +134,7 @@ def _accept(url: str) -> tuple[AppState, OnlineCall, list[JobRequest], bool]:
         created=int(time.time()),
         deadline=time.monotonic() + state.config.online_timeout_s,
         include_usage=include_usage,
+        gone=peer_gone(request.environ),
     )
     return state, call, reqs, bool(body.get("stream"))
 
@@ -175,6 +179,8 @@ def _answer(state: AppState, call: OnlineCall) -> dict[str, Any]:
     results = []
     for jid in call.job_ids:
         rec = wait_record(state, call, jid)
+        if call.gone():  # nobody to answer: the release cancels the jobs
+            raise ApiError(499, "the client closed the connection", "client_closed")
         if rec is not None and not rec.status.terminal:
             raise ApiError(504, f"no answer within {state.config.online_timeout_s} s", "timeout")
         if rec is None or rec.status != JobStatus.SUCCEEDED or rec.result is None:

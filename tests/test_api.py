@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -180,6 +181,19 @@ def test_pool_and_workers_from_heartbeat(client: FlaskClient, redis_url: str) ->
     assert client.get("/v1/queues").get_json()["depth"] == {"interactive": 1, "bulk": 0}
 
 
+def test_model_id_with_a_slash_is_retrievable(client: FlaskClient, redis_url: str) -> None:
+    """Hub-style ids (``org/name``) reach ``GET /v1/models/{id}`` as the openai client sends
+    them, with the slash unescaped."""
+    publish(redis_url, heartbeat("w1").model_copy(update={"model": "HuggingFaceTB/SmolLM2"}))
+    listed = client.get("/v1/models").get_json()["data"]
+    assert [m["id"] for m in listed] == ["HuggingFaceTB/SmolLM2"]
+    resp = client.get("/v1/models/HuggingFaceTB/SmolLM2")
+    assert resp.status_code == 200 and resp.get_json()["id"] == "HuggingFaceTB/SmolLM2"
+    missing = client.get("/v1/models/HuggingFaceTB/other")
+    assert missing.status_code == 404
+    assert missing.get_json()["error"]["code"] == "model_not_found"
+
+
 # ----------------------------------------------------------------------------- health
 def test_healthz_and_readyz(redis_url: str) -> None:
     app = make_app(redis_url, stall_s=0.05)
@@ -265,7 +279,7 @@ def test_openapi_document(client: FlaskClient, app: Flask) -> None:
             continue
         path = rule.rule
         for arg in rule.arguments:
-            path = path.replace(f"<{arg}>", "<>")
+            path = re.sub(rf"<(\w+:)?{arg}>", "<>", path)
         assert path in documented, f"{rule.rule} is not in the OpenAPI document"
         for method in rule.methods - {"HEAD", "OPTIONS"}:
             assert method.lower() in doc["paths"][path.replace("<>", "{id}")], (method, path)

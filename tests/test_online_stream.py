@@ -113,6 +113,38 @@ def test_disconnect_cancels_and_frees_blocks(stack: Stack) -> None:
     wait_for(pool_idle, 10, "no running job and no blocks in use")
 
 
+def test_non_stream_disconnect_cancels_the_job(stack: Stack) -> None:
+    """A waiting (non-streaming) client that gives up cancels its job too: the API watches its
+    socket while the job runs."""
+    store = JobStore(stack.redis_url)
+    before = set(store.r.keys("ps:job:*"))
+    body = {
+        "model": stack.model,
+        "messages": [{"role": "user", "content": "Tell me everything, slowly."}],
+        "max_tokens": 400,
+        "ignore_eos": True,
+    }
+    sock = socket.create_connection((HOST, stack.api.port), timeout=30)
+    raw = json.dumps(body).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {HOST}\r\nContent-Type: "
+            f"application/json\r\nContent-Length: {len(raw)}\r\n\r\n")  # fmt: skip
+    sock.sendall(head.encode() + raw)
+
+    def running() -> str | None:
+        new = set(store.r.keys("ps:job:*")) - before
+        for key in new:
+            rec = store.get(key.removeprefix("ps:job:"))
+            if rec is not None and rec.tokens_generated > 0:
+                return rec.id
+        return None
+
+    job_id = wait_for(running, 20, "the job started")
+    sock.close()
+    rec = wait_for(lambda: (r := store.get(job_id)) and r.status.terminal and r, 20, "the end")
+    assert rec.status == JobStatus.CANCELLED and rec.tokens_generated < 400
+    wait_for(lambda: store.workers()["online-w"]["running"] == 0, 10, "no running job")
+
+
 def test_non_stream_request_answers_after_a_disconnected_stream(stack: Stack) -> None:
     resp = stack.client().completions.create(model=stack.model, prompt=[1, 2, 3], max_tokens=3)
     assert resp.usage.completion_tokens >= 1
