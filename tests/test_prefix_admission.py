@@ -24,6 +24,8 @@ from pagedserve.store import AdmissionRequest, JobStore
 from pagedserve.telemetry import WorkerHeartbeat
 from tests.api_fixtures import make_app
 from tests.fixtures.workers import StartWorker, wait_for
+from worker.admission import MAX_GROUPS, PrefixAdmission
+from worker.service_config import ServiceConfig
 
 BASE = {
     "window": 1000,
@@ -99,6 +101,20 @@ def test_signature_groups_shared_prefixes_and_tells_others_apart() -> None:
     # Too short to group: no signature (served in arrival order).
     assert prefix_signature(JobRequest(prompt="hi")) is None
     assert prefix_signature(JobRequest(prompt=[1, 2, 3])) is None
+
+
+def test_a_new_group_past_the_group_limit_is_kept() -> None:
+    """Regression: with MAX_GROUPS groups all owned or running, a new group's record was the
+    only one free to evict and was dropped at once (KeyError; both load-test workers died)."""
+    adm = PrefixAdmission(ServiceConfig(worker_id="w"), engine=None, jobs={})
+    for i in range(MAX_GROUPS):
+        adm._group(f"s{i}").owned = True
+    g = adm._group("new")
+    assert g.sig == "new" and next(reversed(adm.groups)) == "new"
+    assert len(adm.groups) == MAX_GROUPS + 1  # nothing else may go either
+    adm._group("s0").owned = False
+    adm._group("newer")  # the unowned, idle ones (s0, "new") make room, down to the limit
+    assert set(adm.groups) == {f"s{i}" for i in range(1, MAX_GROUPS)} | {"newer"}
 
 
 def test_the_signature_is_stored_with_the_job_and_its_entry(redis_url: str) -> None:

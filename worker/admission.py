@@ -19,6 +19,7 @@ worker may take it.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -38,6 +39,28 @@ if TYPE_CHECKING:
 PREFIX_POOL_SHARE = 0.8
 #: Groups kept for telemetry and probing (most recently used).
 MAX_GROUPS = 64
+
+log = logging.getLogger("pagedserve.worker.admission")
+
+
+@dataclass
+class RoundStats:
+    """Diagnostic: what the admission rounds since the last heartbeat returned against ``cap``
+    (logged at DEBUG with each heartbeat). A round that returns less than its cap while bulk work
+    waits in the window leaves seats idle."""
+
+    rounds: int = 0
+    cap: int = 0
+    got: int = 0
+    short: int = 0  # rounds that returned fewer than cap (some may have had nothing to take)
+    empty: int = 0  # rounds that returned nothing
+
+    def add(self, cap: int, got: int) -> None:
+        self.rounds += 1
+        self.cap += cap
+        self.got += got
+        self.short += got < cap
+        self.empty += got == 0
 
 
 @dataclass
@@ -87,6 +110,7 @@ class PrefixAdmission:
         self.sig_of: dict[str, str] = {}  # running job id -> signature
         self._prompt_blocks = 0.0  # running mean of the prompts' blocks (for the slot estimate)
         self._seen = 0
+        self.stats = RoundStats()
 
     # ----------------------------------------------------------------- claim
     def claim(self, store: JobStore, consumer: str, cap: int, block_ms: int) -> list[Lease]:
@@ -101,6 +125,7 @@ class PrefixAdmission:
             got = store.admit_bulk(consumer, rest, self.request())
             self._took(got)
             leases += got.leases
+        self.stats.add(cap, len(leases))
         if not leases and block_ms > 0:
             # Idle: wait on both streams as the plain claim does, so that idle workers share new
             # work (a blocked read delivers one entry each); later rounds go by prefix again.
@@ -208,6 +233,7 @@ class PrefixAdmission:
     # ----------------------------------------------------------------- heartbeat
     def refresh(self, store: JobStore, consumer: str) -> None:
         """Extend the affinities of groups still cached or running here; release the others."""
+        self._log_rounds()
         self._update()
         keep, drop = [], []
         for g in self.groups.values():
@@ -220,6 +246,17 @@ class PrefixAdmission:
                 g.owned = False
         for sig in store.refresh_affinity(consumer, keep, drop, self.cfg.affinity_ttl_ms):
             self.groups[sig].owned = False
+
+    def _log_rounds(self) -> None:
+        """The diagnostic: the rounds since the last heartbeat against the seats they asked for."""
+        st, self.stats = self.stats, RoundStats()
+        if st.rounds and log.isEnabledFor(logging.DEBUG):
+            warming = sum(g.pilot is not None for g in self.groups.values())
+            log.debug(
+                "admission: %d rounds took %d of the %d seats asked for (%d short, %d empty); "
+                "%d slots, %d groups (%d warming)", st.rounds, st.got, st.cap, st.short, st.empty,
+                self.slots(), len(self.groups), warming,
+            )  # fmt: skip
 
     def release_all(self, store: JobStore, consumer: str) -> None:
         """Give up every affinity (the worker stops): its groups move at once, not at lapse."""
@@ -237,8 +274,8 @@ class PrefixAdmission:
         if g is None:
             g = self.groups[sig] = Group(sig)
             while len(self.groups) > MAX_GROUPS:
-                old = next((s for s, x in self.groups.items() if not x.running and not x.owned),
-                           None)  # fmt: skip
+                old = next((s for s, x in self.groups.items()
+                            if s != sig and not x.running and not x.owned), None)  # fmt: skip
                 if old is None:
                     break
                 del self.groups[old]
