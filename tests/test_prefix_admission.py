@@ -132,16 +132,40 @@ def test_admission_prefers_my_groups_and_pilots_new_ones(redis_url: str) -> None
     pre = prefixes(2)
     sa, sb = sig_of(pre[0]), sig_of(pre[1])
     enqueue(store, "abababab", pre)
-    # A new worker takes one job (the pilot) of the oldest group and owns the group.
-    assert admit(store, "A", 8) == (["a0"], [sa], [])
-    # While that job's prefill runs, the group takes no more (they would compute it again).
-    assert admit(store, "A", 8, warming=[sa]) == ([], [], [])
-    # Another worker does not take a group owned by a live worker: it pilots the next group.
-    assert admit(store, "B", 8) == (["b1"], [sb], [])
-    # Once warm, a worker takes its group's jobs past the others' in the queue.
-    assert admit(store, "A", 8, warm={sa: 1}) == (["a2", "a4", "a6"], [], [])
+    # A new worker pilots the oldest group and owns it; the group's other jobs join the pilot
+    # (the engine shares a prefix with jobs admitted in its pilot's step). One slot: b waits.
+    assert admit(store, "A", 8) == (["a0", "a2", "a4", "a6"], [sa], [])
+    # Another worker does not take a group owned by a live worker: it pilots the next group,
+    # as many of its jobs as it asks for.
+    assert admit(store, "B", 2) == (["b1", "b3"], [sb], [])
+    # More jobs come: a worker takes its own group's jobs past the others' in the queue, while
+    # its pilot's prefill still runs (warming) and once it is warm.
+    enqueue(store, "baab", pre, tag="x")
+    assert admit(store, "A", 2, warming=[sa]) == (["xa1", "xa2"], [], [])
+    assert admit(store, "B", 1, warm={sb: 2}) == (["b5"], [], [])
     assert store.affinities() == {sa: "A", sb: "B"}
     assert store.queue_lengths()["bulk"] == 3  # the window's entries still count as queued
+
+
+def test_no_seat_stays_free_while_admissible_work_waits(redis_url: str) -> None:
+    """New groups come with all their window jobs (as many groups as slots are free), unsigned
+    jobs and signatures that do not repeat are taken in arrival order without a slot, and warm
+    groups fill every seat asked for however many they are."""
+    store = JobStore(redis_url)
+    pre = prefixes(4)
+    sa, sb, sc, sd = (sig_of(p) for p in pre)
+    enqueue(store, "abcabc", pre)
+    store.enqueue_many([("u6", JobRequest(prompt=[1, 2, 3], priority="bulk"))])
+    enqueue(store, "d", pre, tag="x")
+    assert admit(store, "A", 20, slots=2) == (["a0", "b1", "a3", "b4", "u6", "xd0"],
+                                              [sa, sb, sd], [])  # fmt: skip
+    # c waited for a slot; B, with one free, takes all of it.
+    assert admit(store, "B", 20) == (["c2", "c5"], [sc], [])
+    enqueue(store, "abab", pre, tag="y")
+    assert admit(store, "A", 20, slots=1, warm={sa: 2, sb: 2})[0] == ["ya0", "yb1", "ya2", "yb3"]
+    # Signatures that do not repeat: arrival order, no slot needed.
+    ids = enqueue(store, "abcd", prefixes(4, seed=1), tag="z")
+    assert admit(store, "C", 20, slots=0)[0] == ids
 
 
 def test_the_window_is_bounded(redis_url: str) -> None:
@@ -156,7 +180,7 @@ def test_the_window_is_bounded(redis_url: str) -> None:
     # A takes group a; the window moves on and B finds its group.
     assert admit(store, "A", 1, window=10)[0] == ["a0"]
     sa = sig_of(pre[0])
-    assert len(admit(store, "A", 10, window=10, warm={sa: 1})[0]) == 9
+    assert len(admit(store, "A", 9, window=10, warm={sa: 1})[0]) == 9
     got, claimed, _ = admit(store, "B", 8, window=10, slots=0, warm={sb: 0})
     assert got == [f"b{i}" for i in range(10, 15)] and claimed == [sb]
 
@@ -188,7 +212,7 @@ def test_affinity_lapses_when_its_worker_stops_refreshing(redis_url: str) -> Non
     time.sleep(0.4)  # A died: no more refreshes
     assert store.affinities() == {}
     got, claimed, _ = admit(store, "B", 4, affinity_ttl_ms=300)
-    assert got == ["a1"] and claimed == [sa]  # B pilots the group now
+    assert got == ["a1", "a2", "a3"] and claimed == [sa]  # B pilots the group now
     assert store.affinities() == {sa: "B"}
     # A, back, finds the group gone: its heartbeat says so and changes nothing.
     assert store.refresh_affinity("A", [sa], [], 300) == [sa]
@@ -203,10 +227,9 @@ def test_a_group_whose_owner_is_busy_moves_after_the_steal_bound(redis_url: str)
     assert admit(store, "A", 1, steal_ms=400)[1] == [sa]
     assert admit(store, "B", 4, steal_ms=400) == ([], [], [])
     time.sleep(0.5)  # A (busy) took none of the group's jobs for longer than the bound
-    got, claimed, _ = admit(store, "B", 4, steal_ms=400)
-    assert got == ["a1"] and claimed == [sa]
+    got, claimed, _ = admit(store, "B", 2, steal_ms=400)
+    assert got == ["a1", "a2"] and claimed == [sa]  # the pilot and a job joining it
     assert store.affinities() == {sa: "B"}
-    assert admit(store, "B", 1, steal_ms=400, warm={sa: 1})[0] == ["a2"]
     # A learns at its next round that the group moved (with it cached, it may still help).
     got, claimed, lost = admit(store, "A", 1, steal_ms=400, warm={sa: 0})
     assert got == ["a3"] and claimed == [] and lost == [sa]
@@ -219,11 +242,12 @@ def test_an_idle_worker_helps_with_a_busy_workers_backlog(redis_url: str) -> Non
     sa = sig_of(pre[0])
     enqueue(store, "a" * 8, pre)
     assert admit(store, "A", 1)[0] == ["a0"]
-    # B has nothing of its own: it pilots A's group (7 waiting), without taking it over...
-    assert admit(store, "B", 4) == (["a1"], [], [])
-    assert admit(store, "B", 4, warming=[sa]) == ([], [], [sa])  # [sa]: owned by another
-    # ...and once warm it takes the group's jobs with its spare capacity.
-    assert admit(store, "B", 4, warm={sa: 1})[0] == ["a2", "a3", "a4", "a5"]
+    # B has nothing of its own: it pilots A's group (7 waiting), without taking it over (jobs
+    # join the pilot)...
+    assert admit(store, "B", 2) == (["a1", "a2"], [], [])
+    # ...and, warming or warm, takes the group's jobs with its spare capacity.
+    assert admit(store, "B", 2, warming=[sa]) == (["a3", "a4"], [], [sa])  # [sa]: another's
+    assert admit(store, "B", 2, warm={sa: 1})[0] == ["a5", "a6"]
     assert store.affinities() == {sa: "A"}
 
 
@@ -234,12 +258,12 @@ def test_entries_of_cancelled_or_deleted_jobs_leave_the_window(redis_url: str) -
     ids = enqueue(store, "aaaa", pre)
     assert client.cancel(ids[0]) == JobStatus.CANCELLED
     got, _, _ = admit(store, "A", 3)
-    assert got == []  # the pilot was the cancelled job: skipped at lease, acked
-    assert store.window_length() == 3
+    assert got == ids[1:3]  # the pilot was the cancelled job: skipped at lease, acked
+    assert store.window_length() == 1
     # A job whose record is gone while its entry is in the window: acked, not leased.
     store.r.delete(store.keys.job(ids[3]))
     sa = sig_of(pre[0])
-    assert admit(store, "A", 3, warm={sa: 0})[0] == ids[1:3]
+    assert admit(store, "A", 3, warm={sa: 0})[0] == []
     assert store.window_length() == 0
     assert store.r.hlen(store.keys.window) == 0
 

@@ -6,11 +6,13 @@ O(window)); this module keeps what that call needs to know about this worker's c
 
 - its **groups** (one per prefix signature, :mod:`pagedserve.prefix_sig`): which it owns (the
   affinity in Redis, refreshed by the heartbeat, lapsing when the worker dies), which are
-  *warming* (the first job's prefill is not done: taking more of them now would compute the same
-  prefix several times over), how many of the group's prefix blocks the KV pool still holds (a
-  probe of the pool's prefix-cache table with the prefix's block hashes), and hit counts;
+  *warming* (the first job's prefill is not done; the group's jobs still join it, since the
+  engine registers prefix blocks as it schedules them), how many of the group's prefix blocks the
+  KV pool still holds (a probe of the pool's prefix-cache table with the prefix's block hashes),
+  and hit counts;
 - its **slots**: how many groups its pool holds at once (``prefix_groups``, or estimated from the
-  pool size and the prompts seen).
+  pool size and the prompts seen); they bound how many new groups one round starts, never how
+  many jobs of groups already here it takes.
 
 Interactive jobs never go through this: they are claimed first, as before. A group whose prefix
 was evicted and which has nothing running is dropped (its affinity released), so that another
