@@ -280,6 +280,22 @@ def test_admission_keeps_window_entries_from_reclaim(redis_url: str) -> None:
     assert store.window_length() == 3
 
 
+def test_jobs_admitted_with_their_pilot_share_its_prefix(model_dir: Path) -> None:
+    """What lets a group's jobs join their pilot at once (admission.lua): the engine registers a
+    prefix's blocks as it schedules them, so jobs admitted in the pilot's step, or in the next
+    when a small step budget splits the pilot's prefill, find them cached."""
+    from pagedserve.params import SamplingParams
+    from worker import LLM
+
+    (pre,) = prefixes(1, length=512)
+    prompts = [[*pre, 4 + i, 5 + i] for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    for budget in (256, 2048):
+        llm = LLM(model_dir, block_size=16, num_kv_blocks=128, max_num_batched_tokens=budget)
+        outs = llm.generate(prompts, params)  # all six added before the first step
+        assert [o.num_cached_tokens for o in outs] == [0] + [512] * 5, budget
+
+
 # ------------------------------------------------------------------------------- real workers
 def test_interactive_jobs_are_not_delayed_by_bulk_admission(
     redis_url: str, model_dir: Path, start_worker: StartWorker
