@@ -157,8 +157,10 @@ def test_no_seat_stays_free_while_admissible_work_waits(redis_url: str) -> None:
     enqueue(store, "abcabc", pre)
     store.enqueue_many([("u6", JobRequest(prompt=[1, 2, 3], priority="bulk"))])
     enqueue(store, "d", pre, tag="x")
-    assert admit(store, "A", 20, slots=2) == (["a0", "b1", "a3", "b4", "u6", "xd0"],
-                                              [sa, sb, sd], [])  # fmt: skip
+    got = store.admit_bulk("A", 20, AdmissionRequest(**{**BASE, "slots": 2}))  # type: ignore[arg-type]
+    assert [x.job_id for x in got.leases] == ["a0", "b1", "a3", "b4", "u6", "xd0"]
+    assert got.claimed == [sa, sb, sd]
+    assert got.waiting == 2  # the diagnostic: c's two jobs waited while seats were free
     # c waited for a slot; B, with one free, takes all of it.
     assert admit(store, "B", 20) == (["c2", "c5"], [sc], [])
     enqueue(store, "abab", pre, tag="y")

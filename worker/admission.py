@@ -48,21 +48,23 @@ log = logging.getLogger("pagedserve.worker.admission")
 @dataclass
 class RoundStats:
     """Diagnostic: what the admission rounds since the last heartbeat returned against ``cap``
-    (logged at DEBUG with each heartbeat). A round that returns less than its cap while bulk work
-    waits in the window leaves seats idle."""
+    (logged at DEBUG with each heartbeat). A round that returns less than its cap while window
+    entries this worker could take still wait leaves seats idle (``idle_seats``)."""
 
     rounds: int = 0
     cap: int = 0
     got: int = 0
-    short: int = 0  # rounds that returned fewer than cap (some may have had nothing to take)
+    short: int = 0  # rounds that returned fewer than cap (most had nothing to take)
     empty: int = 0  # rounds that returned nothing
+    idle_seats: int = 0  # seats left free while as many admissible entries waited
 
-    def add(self, cap: int, got: int) -> None:
+    def add(self, cap: int, got: int, waiting: int) -> None:
         self.rounds += 1
         self.cap += cap
         self.got += got
         self.short += got < cap
         self.empty += got == 0
+        self.idle_seats += min(cap - got, waiting) if got < cap else 0
 
 
 @dataclass
@@ -122,12 +124,13 @@ class PrefixAdmission:
         if self.cfg.admission == "fcfs":
             return store.claim(consumer, cap, block_ms)
         leases = store.claim(consumer, cap, 0, priorities=("interactive",))
-        rest = cap - len(leases)
+        rest, waiting = cap - len(leases), 0
         if rest > 0:
             got = store.admit_bulk(consumer, rest, self.request())
             self._took(got)
             leases += got.leases
-        self.stats.add(cap, len(leases))
+            waiting = got.waiting
+        self.stats.add(cap, len(leases), waiting)
         if not leases and block_ms > 0:
             # Idle: wait on both streams as the plain claim does, so that idle workers share new
             # work (a blocked read delivers one entry each); later rounds go by prefix again.
@@ -255,9 +258,10 @@ class PrefixAdmission:
         if st.rounds and log.isEnabledFor(logging.DEBUG):
             warming = sum(g.pilot is not None for g in self.groups.values())
             log.debug(
-                "admission: %d rounds took %d of the %d seats asked for (%d short, %d empty); "
-                "%d slots, %d groups (%d warming)", st.rounds, st.got, st.cap, st.short, st.empty,
-                self.slots(), len(self.groups), warming,
+                "admission: %d rounds took %d of the %d seats asked for (%d short, %d empty, "
+                "%d seats idle while admissible work waited); %d slots, %d groups (%d warming)",
+                st.rounds, st.got, st.cap, st.short, st.empty, st.idle_seats, self.slots(),
+                len(self.groups), warming,
             )  # fmt: skip
 
     def release_all(self, store: JobStore, consumer: str) -> None:

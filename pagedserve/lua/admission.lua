@@ -30,7 +30,7 @@
 -- Group slots bound how many new groups one round pilots: each group warm or warming here with
 -- window entries left after (2) holds one.
 -- Returns {{entry id, job id, signature}..., claimed signatures, lost signatures, signatures
--- piloted (new to this worker)}.
+-- piloted (new to this worker), entries left that this worker could take (a diagnostic)}.
 local stream, aff, exp, meta_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local group, win, me = ARGV[1], ARGV[2], ARGV[3]
 local size, want = tonumber(ARGV[4]), tonumber(ARGV[5])
@@ -253,7 +253,15 @@ if #ids > 0 then
   call_chunked('XCLAIM', {stream, group, me, 0}, ids, {'JUSTID'})
   call_chunked('HDEL', {meta_key}, ids)
 end
+-- Diagnostic: entries left that this worker would take with more seats (no signature, or a group
+-- that is no other worker's).
+local waiting = 0
+for k, it in ipairs(items) do
+  local s = it[3]
+  if not took[k] and (s == '' or owner[s] == nil or owner[s] == me) then waiting = waiting + 1 end
+end
 out[#out + 1] = claimed
 out[#out + 1] = lost
 out[#out + 1] = pilots
+out[#out + 1] = waiting
 return out
