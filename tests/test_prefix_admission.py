@@ -24,6 +24,8 @@ from pagedserve.store import AdmissionRequest, JobStore
 from pagedserve.telemetry import WorkerHeartbeat
 from tests.api_fixtures import make_app
 from tests.fixtures.workers import StartWorker, wait_for
+from worker.admission import MAX_GROUPS, PrefixAdmission
+from worker.service_config import ServiceConfig
 
 BASE = {
     "window": 1000,
@@ -101,6 +103,20 @@ def test_signature_groups_shared_prefixes_and_tells_others_apart() -> None:
     assert prefix_signature(JobRequest(prompt=[1, 2, 3])) is None
 
 
+def test_a_new_group_past_the_group_limit_is_kept() -> None:
+    """Regression: with MAX_GROUPS groups all owned or running, a new group's record was the
+    only one free to evict and was dropped at once (KeyError; both load-test workers died)."""
+    adm = PrefixAdmission(ServiceConfig(worker_id="w"), engine=None, jobs={})
+    for i in range(MAX_GROUPS):
+        adm._group(f"s{i}").owned = True
+    g = adm._group("new")
+    assert g.sig == "new" and next(reversed(adm.groups)) == "new"
+    assert len(adm.groups) == MAX_GROUPS + 1  # nothing else may go either
+    adm._group("s0").owned = False
+    adm._group("newer")  # the unowned, idle ones (s0, "new") make room, down to the limit
+    assert set(adm.groups) == {f"s{i}" for i in range(1, MAX_GROUPS)} | {"newer"}
+
+
 def test_the_signature_is_stored_with_the_job_and_its_entry(redis_url: str) -> None:
     store = JobStore(redis_url)
     pre = prefixes(1)
@@ -116,16 +132,42 @@ def test_admission_prefers_my_groups_and_pilots_new_ones(redis_url: str) -> None
     pre = prefixes(2)
     sa, sb = sig_of(pre[0]), sig_of(pre[1])
     enqueue(store, "abababab", pre)
-    # A new worker takes one job (the pilot) of the oldest group and owns the group.
-    assert admit(store, "A", 8) == (["a0"], [sa], [])
-    # While that job's prefill runs, the group takes no more (they would compute it again).
-    assert admit(store, "A", 8, warming=[sa]) == ([], [], [])
-    # Another worker does not take a group owned by a live worker: it pilots the next group.
-    assert admit(store, "B", 8) == (["b1"], [sb], [])
-    # Once warm, a worker takes its group's jobs past the others' in the queue.
-    assert admit(store, "A", 8, warm={sa: 1}) == (["a2", "a4", "a6"], [], [])
+    # A new worker pilots the oldest group and owns it; the group's other jobs join the pilot
+    # (the engine shares a prefix with jobs admitted in its pilot's step). One slot: b waits.
+    assert admit(store, "A", 8) == (["a0", "a2", "a4", "a6"], [sa], [])
+    # Another worker does not take a group owned by a live worker: it pilots the next group,
+    # as many of its jobs as it asks for.
+    assert admit(store, "B", 2) == (["b1", "b3"], [sb], [])
+    # More jobs come: a worker takes its own group's jobs past the others' in the queue, while
+    # its pilot's prefill still runs (warming) and once it is warm.
+    enqueue(store, "baab", pre, tag="x")
+    assert admit(store, "A", 2, warming=[sa]) == (["xa1", "xa2"], [], [])
+    assert admit(store, "B", 1, warm={sb: 2}) == (["b5"], [], [])
     assert store.affinities() == {sa: "A", sb: "B"}
     assert store.queue_lengths()["bulk"] == 3  # the window's entries still count as queued
+
+
+def test_no_seat_stays_free_while_admissible_work_waits(redis_url: str) -> None:
+    """New groups come with all their window jobs (as many groups as slots are free), unsigned
+    jobs and signatures that do not repeat are taken in arrival order without a slot, and warm
+    groups fill every seat asked for however many they are."""
+    store = JobStore(redis_url)
+    pre = prefixes(4)
+    sa, sb, sc, sd = (sig_of(p) for p in pre)
+    enqueue(store, "abcabc", pre)
+    store.enqueue_many([("u6", JobRequest(prompt=[1, 2, 3], priority="bulk"))])
+    enqueue(store, "d", pre, tag="x")
+    got = store.admit_bulk("A", 20, AdmissionRequest(**{**BASE, "slots": 2}))  # type: ignore[arg-type]
+    assert [x.job_id for x in got.leases] == ["a0", "b1", "a3", "b4", "u6", "xd0"]
+    assert got.claimed == [sa, sb, sd]
+    assert got.waiting == 2  # the diagnostic: c's two jobs waited while seats were free
+    # c waited for a slot; B, with one free, takes all of it.
+    assert admit(store, "B", 20) == (["c2", "c5"], [sc], [])
+    enqueue(store, "abab", pre, tag="y")
+    assert admit(store, "A", 20, slots=1, warm={sa: 2, sb: 2})[0] == ["ya0", "yb1", "ya2", "yb3"]
+    # Signatures that do not repeat: arrival order, no slot needed.
+    ids = enqueue(store, "abcd", prefixes(4, seed=1), tag="z")
+    assert admit(store, "C", 20, slots=0)[0] == ids
 
 
 def test_the_window_is_bounded(redis_url: str) -> None:
@@ -140,7 +182,7 @@ def test_the_window_is_bounded(redis_url: str) -> None:
     # A takes group a; the window moves on and B finds its group.
     assert admit(store, "A", 1, window=10)[0] == ["a0"]
     sa = sig_of(pre[0])
-    assert len(admit(store, "A", 10, window=10, warm={sa: 1})[0]) == 9
+    assert len(admit(store, "A", 9, window=10, warm={sa: 1})[0]) == 9
     got, claimed, _ = admit(store, "B", 8, window=10, slots=0, warm={sb: 0})
     assert got == [f"b{i}" for i in range(10, 15)] and claimed == [sb]
 
@@ -172,7 +214,7 @@ def test_affinity_lapses_when_its_worker_stops_refreshing(redis_url: str) -> Non
     time.sleep(0.4)  # A died: no more refreshes
     assert store.affinities() == {}
     got, claimed, _ = admit(store, "B", 4, affinity_ttl_ms=300)
-    assert got == ["a1"] and claimed == [sa]  # B pilots the group now
+    assert got == ["a1", "a2", "a3"] and claimed == [sa]  # B pilots the group now
     assert store.affinities() == {sa: "B"}
     # A, back, finds the group gone: its heartbeat says so and changes nothing.
     assert store.refresh_affinity("A", [sa], [], 300) == [sa]
@@ -187,10 +229,9 @@ def test_a_group_whose_owner_is_busy_moves_after_the_steal_bound(redis_url: str)
     assert admit(store, "A", 1, steal_ms=400)[1] == [sa]
     assert admit(store, "B", 4, steal_ms=400) == ([], [], [])
     time.sleep(0.5)  # A (busy) took none of the group's jobs for longer than the bound
-    got, claimed, _ = admit(store, "B", 4, steal_ms=400)
-    assert got == ["a1"] and claimed == [sa]
+    got, claimed, _ = admit(store, "B", 2, steal_ms=400)
+    assert got == ["a1", "a2"] and claimed == [sa]  # the pilot and a job joining it
     assert store.affinities() == {sa: "B"}
-    assert admit(store, "B", 1, steal_ms=400, warm={sa: 1})[0] == ["a2"]
     # A learns at its next round that the group moved (with it cached, it may still help).
     got, claimed, lost = admit(store, "A", 1, steal_ms=400, warm={sa: 0})
     assert got == ["a3"] and claimed == [] and lost == [sa]
@@ -203,11 +244,12 @@ def test_an_idle_worker_helps_with_a_busy_workers_backlog(redis_url: str) -> Non
     sa = sig_of(pre[0])
     enqueue(store, "a" * 8, pre)
     assert admit(store, "A", 1)[0] == ["a0"]
-    # B has nothing of its own: it pilots A's group (7 waiting), without taking it over...
-    assert admit(store, "B", 4) == (["a1"], [], [])
-    assert admit(store, "B", 4, warming=[sa]) == ([], [], [sa])  # [sa]: owned by another
-    # ...and once warm it takes the group's jobs with its spare capacity.
-    assert admit(store, "B", 4, warm={sa: 1})[0] == ["a2", "a3", "a4", "a5"]
+    # B has nothing of its own: it pilots A's group (7 waiting), without taking it over (jobs
+    # join the pilot)...
+    assert admit(store, "B", 2) == (["a1", "a2"], [], [])
+    # ...and, warming or warm, takes the group's jobs with its spare capacity.
+    assert admit(store, "B", 2, warming=[sa]) == (["a3", "a4"], [], [sa])  # [sa]: another's
+    assert admit(store, "B", 2, warm={sa: 1})[0] == ["a5", "a6"]
     assert store.affinities() == {sa: "A"}
 
 
@@ -218,12 +260,12 @@ def test_entries_of_cancelled_or_deleted_jobs_leave_the_window(redis_url: str) -
     ids = enqueue(store, "aaaa", pre)
     assert client.cancel(ids[0]) == JobStatus.CANCELLED
     got, _, _ = admit(store, "A", 3)
-    assert got == []  # the pilot was the cancelled job: skipped at lease, acked
-    assert store.window_length() == 3
+    assert got == ids[1:3]  # the pilot was the cancelled job: skipped at lease, acked
+    assert store.window_length() == 1
     # A job whose record is gone while its entry is in the window: acked, not leased.
     store.r.delete(store.keys.job(ids[3]))
     sa = sig_of(pre[0])
-    assert admit(store, "A", 3, warm={sa: 0})[0] == ids[1:3]
+    assert admit(store, "A", 3, warm={sa: 0})[0] == []
     assert store.window_length() == 0
     assert store.r.hlen(store.keys.window) == 0
 
@@ -238,6 +280,22 @@ def test_admission_keeps_window_entries_from_reclaim(redis_url: str) -> None:
     assert admit(store, "A", 4, slots=0, touch_ms=100)[0] == []  # resets their idle time
     assert store.reclaim("C", 250, 10) == []
     assert store.window_length() == 3
+
+
+def test_jobs_admitted_with_their_pilot_share_its_prefix(model_dir: Path) -> None:
+    """What lets a group's jobs join their pilot at once (admission.lua): the engine registers a
+    prefix's blocks as it schedules them, so jobs admitted in the pilot's step, or in the next
+    when a small step budget splits the pilot's prefill, find them cached."""
+    from pagedserve.params import SamplingParams
+    from worker import LLM
+
+    (pre,) = prefixes(1, length=512)
+    prompts = [[*pre, 4 + i, 5 + i] for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    for budget in (256, 2048):
+        llm = LLM(model_dir, block_size=16, num_kv_blocks=128, max_num_batched_tokens=budget)
+        outs = llm.generate(prompts, params)  # all six added before the first step
+        assert [o.num_cached_tokens for o in outs] == [0] + [512] * 5, budget
 
 
 # ------------------------------------------------------------------------------- real workers

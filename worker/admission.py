@@ -6,11 +6,13 @@ O(window)); this module keeps what that call needs to know about this worker's c
 
 - its **groups** (one per prefix signature, :mod:`pagedserve.prefix_sig`): which it owns (the
   affinity in Redis, refreshed by the heartbeat, lapsing when the worker dies), which are
-  *warming* (the first job's prefill is not done: taking more of them now would compute the same
-  prefix several times over), how many of the group's prefix blocks the KV pool still holds (a
-  probe of the pool's prefix-cache table with the prefix's block hashes), and hit counts;
+  *warming* (the first job's prefill is not done; the group's jobs still join it, since the
+  engine registers prefix blocks as it schedules them), how many of the group's prefix blocks the
+  KV pool still holds (a probe of the pool's prefix-cache table with the prefix's block hashes),
+  and hit counts;
 - its **slots**: how many groups its pool holds at once (``prefix_groups``, or estimated from the
-  pool size and the prompts seen).
+  pool size and the prompts seen); they bound how many new groups one round starts, never how
+  many jobs of groups already here it takes.
 
 Interactive jobs never go through this: they are claimed first, as before. A group whose prefix
 was evicted and which has nothing running is dropped (its affinity released), so that another
@@ -19,6 +21,7 @@ worker may take it.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -38,6 +41,30 @@ if TYPE_CHECKING:
 PREFIX_POOL_SHARE = 0.8
 #: Groups kept for telemetry and probing (most recently used).
 MAX_GROUPS = 64
+
+log = logging.getLogger("pagedserve.worker.admission")
+
+
+@dataclass
+class RoundStats:
+    """Diagnostic: what the admission rounds since the last heartbeat returned against ``cap``
+    (logged at DEBUG with each heartbeat). A round that returns less than its cap while window
+    entries this worker could take still wait leaves seats idle (``idle_seats``)."""
+
+    rounds: int = 0
+    cap: int = 0
+    got: int = 0
+    short: int = 0  # rounds that returned fewer than cap (most had nothing to take)
+    empty: int = 0  # rounds that returned nothing
+    idle_seats: int = 0  # seats left free while as many admissible entries waited
+
+    def add(self, cap: int, got: int, waiting: int) -> None:
+        self.rounds += 1
+        self.cap += cap
+        self.got += got
+        self.short += got < cap
+        self.empty += got == 0
+        self.idle_seats += min(cap - got, waiting) if got < cap else 0
 
 
 @dataclass
@@ -87,6 +114,7 @@ class PrefixAdmission:
         self.sig_of: dict[str, str] = {}  # running job id -> signature
         self._prompt_blocks = 0.0  # running mean of the prompts' blocks (for the slot estimate)
         self._seen = 0
+        self.stats = RoundStats()
 
     # ----------------------------------------------------------------- claim
     def claim(self, store: JobStore, consumer: str, cap: int, block_ms: int) -> list[Lease]:
@@ -96,11 +124,13 @@ class PrefixAdmission:
         if self.cfg.admission == "fcfs":
             return store.claim(consumer, cap, block_ms)
         leases = store.claim(consumer, cap, 0, priorities=("interactive",))
-        rest = cap - len(leases)
+        rest, waiting = cap - len(leases), 0
         if rest > 0:
             got = store.admit_bulk(consumer, rest, self.request())
             self._took(got)
             leases += got.leases
+            waiting = got.waiting
+        self.stats.add(cap, len(leases), waiting)
         if not leases and block_ms > 0:
             # Idle: wait on both streams as the plain claim does, so that idle workers share new
             # work (a blocked read delivers one entry each); later rounds go by prefix again.
@@ -208,6 +238,7 @@ class PrefixAdmission:
     # ----------------------------------------------------------------- heartbeat
     def refresh(self, store: JobStore, consumer: str) -> None:
         """Extend the affinities of groups still cached or running here; release the others."""
+        self._log_rounds()
         self._update()
         keep, drop = [], []
         for g in self.groups.values():
@@ -220,6 +251,18 @@ class PrefixAdmission:
                 g.owned = False
         for sig in store.refresh_affinity(consumer, keep, drop, self.cfg.affinity_ttl_ms):
             self.groups[sig].owned = False
+
+    def _log_rounds(self) -> None:
+        """The diagnostic: the rounds since the last heartbeat against the seats they asked for."""
+        st, self.stats = self.stats, RoundStats()
+        if st.rounds and log.isEnabledFor(logging.DEBUG):
+            warming = sum(g.pilot is not None for g in self.groups.values())
+            log.debug(
+                "admission: %d rounds took %d of the %d seats asked for (%d short, %d empty, "
+                "%d seats idle while admissible work waited); %d slots, %d groups (%d warming)",
+                st.rounds, st.got, st.cap, st.short, st.empty, st.idle_seats, self.slots(),
+                len(self.groups), warming,
+            )  # fmt: skip
 
     def release_all(self, store: JobStore, consumer: str) -> None:
         """Give up every affinity (the worker stops): its groups move at once, not at lapse."""
@@ -237,8 +280,8 @@ class PrefixAdmission:
         if g is None:
             g = self.groups[sig] = Group(sig)
             while len(self.groups) > MAX_GROUPS:
-                old = next((s for s, x in self.groups.items() if not x.running and not x.owned),
-                           None)  # fmt: skip
+                old = next((s for s, x in self.groups.items()
+                            if s != sig and not x.running and not x.owned), None)  # fmt: skip
                 if old is None:
                     break
                 del self.groups[old]

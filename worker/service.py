@@ -230,7 +230,17 @@ class Worker:
         block = 0 if busy else self.cfg.idle_block_ms
         got = self._redis(self.admission.claim, self.store, self.cfg.worker_id, cap, block)
         self.last_claim = 0.0 if got else now
+        if self.draining:  # SIGTERM came during the claim: what it took has not started here
+            self._hand_back(got)
+            got = []
         self._admit(got)
+
+    def _hand_back(self, leases: Sequence[Lease]) -> None:
+        for lease in leases:
+            try:
+                self._redis(self.store.release, lease)
+            except RedisDown:
+                log.warning("job %s not released (redis down); it will be reclaimed", lease.job_id)
 
     def _drop_lost(self, lost: Sequence[str]) -> None:
         for jid in lost:
@@ -329,13 +339,11 @@ class Worker:
         """Past the grace period: hand running jobs back to the queue (after their progress)."""
         self.commit()
         self.writer.flush(self.cfg.writer_drain_s)
-        for jid, st in list(self.jobs.items()):
+        leases = [st.lease for st in self.jobs.values()]
+        for jid in list(self.jobs):
             self.engine.abort(jid)
-            self.jobs.pop(jid)
-            try:
-                self._redis(self.store.release, st.lease)
-            except RedisDown:
-                log.warning("job %s not released (redis down); it will be reclaimed", jid)
+            self.jobs.pop(jid)  # (admission holds this dict: emptied, not replaced)
+        self._hand_back(leases)
 
     # ----------------------------------------------------------------- heartbeat
     def heartbeat_model(self) -> WorkerHeartbeat:

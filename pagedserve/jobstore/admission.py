@@ -46,6 +46,7 @@ class Admitted:
     claimed: list[str]
     lost: list[str]
     piloted: list[str] = field(default_factory=list)
+    waiting: int = 0  # window entries left that this worker could take with more seats
 
 
 class Admission(StoreBase):
@@ -69,11 +70,11 @@ class Admission(StoreBase):
         args += [len(req.warming), *req.warming]
         keys = [stream, self.keys.affinity, self.keys.affinity_expiry, self.keys.window]
         reply = self._exec([("admission", keys, args)])[0]
-        *picked, claimed, lost, piloted = reply
+        *picked, claimed, lost, piloted, waiting = reply
         entries: list[Entry] = [(stream, eid, job) for eid, job, _ in picked]
         sigs = {job: sig for _, job, sig in picked if sig}
         leases = self._lease_entries(consumer, entries)
-        return Admitted(leases, sigs, list(claimed), list(lost), list(piloted))
+        return Admitted(leases, sigs, list(claimed), list(lost), list(piloted), int(waiting))
 
     def refresh_affinity(
         self, consumer: str, keep: Sequence[str], drop: Sequence[str], ttl_ms: int

@@ -4,35 +4,43 @@
 --       ms|signature|job id'; entered: when it came into the window, how long it was passed over)
 -- ARGV: group, window consumer, worker, window size, most entries to take, max wait ms (aging),
 --       steal ms, affinity ttl ms, group slots, touch ms, n, n x (signature, running jobs) of the
---       worker's warm groups, m, m x signature of its warming groups (a first job's prefill is
---       not done)
+--       worker's warm groups (the running count is informational), m, m x signature of its
+--       warming groups (a first job's prefill is not done)
 -- The window is the pending list of the window consumer: entries read ahead (XREADGROUP) but not
 -- yet taken. Taken entries move to the worker's own pending list (XCLAIM) and are leased as before
 -- (lease.lua): delivery, fencing, reclaim and cancel are those of any entry; only the order
 -- differs. Work per round: XPENDING and HMGET over the window (no entry bodies re-read), the
 -- choice below, and XCLAIM of what is taken and of entries idle for touch ms.
--- Order of choice: (1) entries passed over (in the window) >= max wait, oldest first, whoever
--- owns their group;
--- (2) entries of the worker's warm groups; (3) in window order, jobs without a signature and the
--- first job (a pilot, whose prefill fills the cache) of each new group while a slot is free;
+-- Order of choice, so that no seat stays free while admissible work is in the window:
+-- (1) entries passed over (in the window) >= max wait, oldest first, whoever owns their group;
+-- (2) entries of the worker's warm and warming groups (all of them, up to the seats asked for);
+-- (3) in window order, jobs without a signature, and the first job (the pilot) of each new group
+-- while a group slot is free, with the group's other window entries joining it; a group with
+-- one window entry needs no slot (signatures that do not repeat are taken as in FCFS);
 -- (4) the pilot of a group whose owner took none of its jobs for steal ms while its oldest entry
--- waited that long: its owner is busy, the group is handed over; (5) with capacity left, help:
--- jobs of other workers' groups this worker has warm too, and the pilot of one with a backlog
--- (at least HELP_BACKLOG entries) while a slot is free. A helper computes the prefix once more,
--- still once per worker that serves it; the group stays its owner's.
+-- waited that long: its owner is busy, the group is handed over (its other entries join);
+-- (5) with capacity left, help: jobs of other workers' groups this worker has warm or warming
+-- too, and the pilot of one with a backlog (at least HELP_BACKLOG entries, they join) while a
+-- slot is free. A helper computes the prefix once more, still once per worker that serves it;
+-- the group stays its owner's.
+-- Why jobs join their pilot at once: the engine's prefix cache registers a block when the block
+-- is scheduled, so a job admitted in the pilot's step (or any later one) shares its prefix
+-- (measured: 7 followers of a 512-token prefix taken with the pilot got 512 cached tokens each,
+-- at step budgets 512 and 2048). Waiting for the pilot's prefill only left seats idle.
+-- Group slots bound how many new groups one round pilots: each group warm or warming here with
+-- window entries left after (2) holds one.
 -- Returns {{entry id, job id, signature}..., claimed signatures, lost signatures, signatures
--- piloted (new to this worker)}.
+-- piloted (new to this worker), entries left that this worker could take (a diagnostic)}.
 local stream, aff, exp, meta_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local group, win, me = ARGV[1], ARGV[2], ARGV[3]
 local size, want = tonumber(ARGV[4]), tonumber(ARGV[5])
 local max_wait, steal, ttl = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
 local slots, touch_ms = tonumber(ARGV[9]), tonumber(ARGV[10])
 local HELP_BACKLOG = 4
-local warm, running, warming = {}, {}, {}
+local warm, warming = {}, {}
 local a = 11
 for _ = 1, tonumber(ARGV[a]) do
   warm[ARGV[a + 1]] = true
-  running[ARGV[a + 1]] = tonumber(ARGV[a + 2])
   a = a + 2
 end
 a = a + 1
@@ -134,23 +142,22 @@ if #sigs > 0 then
   end
 end
 
--- Group slots: a warming group, or a warm one with running jobs or window entries, holds one
--- (whoever owns it: a group this worker helps with counts too).
-local busy, lost = 0, {}
+-- Groups this worker names (warm or warming here) that another worker owns: reported as lost.
+local lost = {}
 for _, s in ipairs(sigs) do
   if owner[s] ~= nil and owner[s] ~= me and (warm[s] or warming[s]) then
     lost[#lost + 1] = s
   end
-  if warming[s] or (warm[s] and ((running[s] or 0) > 0 or count[s])) then
-    busy = busy + 1
-  end
 end
-local free_slots = slots - busy
 
-local taken, took, touched, claimed, piloted, pilots = {}, {}, {}, {}, {}, {}
+-- left[s]: group s's window entries not taken yet.
+local taken, took, touched, claimed, piloted, pilots, left = {}, {}, {}, {}, {}, {}, {}
+for s, c in pairs(count) do left[s] = c end
 local function take(k)
   taken[#taken + 1] = k
   took[k] = true
+  local s = items[k][3]
+  if s ~= '' then left[s] = left[s] - 1 end
 end
 local function serve(s)  -- this worker owns group s from now on and has just taken one of its jobs
   if owner[s] ~= me then
@@ -159,11 +166,12 @@ local function serve(s)  -- this worker owns group s from now on and has just ta
   end
   touched[s] = true
 end
-local function pilot(k, s, own)
-  if free_slots > 0 and not piloted[s] then
+local free_slots = 0
+local function pilot(k, s, own, single)  -- a single entry's group needs no slot
+  if single or free_slots > 0 then
     piloted[s] = true
     pilots[#pilots + 1] = s
-    free_slots = free_slots - 1
+    if not single then free_slots = free_slots - 1 end
     if own then serve(s) end
     take(k)
   end
@@ -173,38 +181,51 @@ for k, it in ipairs(items) do  -- (1) aged
   if #taken >= want then break end
   if now - it[4] >= max_wait then take(k) end
 end
-for k, it in ipairs(items) do  -- (2) my warm groups
+for k, it in ipairs(items) do  -- (2) my warm and warming groups
   if #taken >= want then break end
   local s = it[3]
-  if not took[k] and warm[s] and (owner[s] == nil or owner[s] == me) then
+  if not took[k] and (warm[s] or warming[s]) and (owner[s] == nil or owner[s] == me) then
     serve(s)
     take(k)
   end
 end
+-- Group slots: a group warm or warming here (this worker's or one it helps with) that still has
+-- window entries holds one; the rest bound how many new groups this round pilots.
+local busy = 0
+for _, s in ipairs(sigs) do
+  if (warm[s] or warming[s]) and (left[s] or 0) > 0 then busy = busy + 1 end
+end
+free_slots = slots - busy
 for k, it in ipairs(items) do  -- (3) unsigned jobs and new groups
   if #taken >= want then break end
   local s = it[3]
   if not took[k] then
     if s == '' then
       take(k)
+    elseif piloted[s] then
+      take(k)  -- joins its pilot (piloted in this loop: owned by this worker now)
     elseif owner[s] == nil and not warming[s] and not warm[s] then
-      pilot(k, s, true)
+      pilot(k, s, true, count[s] == 1)
     end
   end
 end
 for k, it in ipairs(items) do  -- (4) groups whose owner is busy
-  if #taken >= want or free_slots <= 0 then break end
+  if #taken >= want then break end
   local s = it[3]
-  if not took[k] and s ~= '' and owner[s] ~= nil and owner[s] ~= me and not piloted[s]
-      and now - it[4] >= steal and now - (served[s] or 0) >= steal then
-    pilot(k, s, true)
+  if not took[k] and s ~= '' and owner[s] ~= nil then
+    if piloted[s] and owner[s] == me then
+      take(k)
+    elseif owner[s] ~= me and not piloted[s] and now - it[4] >= steal
+        and now - (served[s] or 0) >= steal then
+      pilot(k, s, true)
+    end
   end
 end
 for k, it in ipairs(items) do  -- (5) help other workers' groups
   if #taken >= want then break end
   local s = it[3]
-  if not took[k] and s ~= '' and owner[s] ~= nil and owner[s] ~= me and not warming[s] then
-    if warm[s] then
+  if not took[k] and s ~= '' and owner[s] ~= nil and owner[s] ~= me then
+    if warm[s] or warming[s] or piloted[s] then
       take(k)
     elseif (count[s] or 0) >= HELP_BACKLOG then
       pilot(k, s, false)
@@ -232,7 +253,15 @@ if #ids > 0 then
   call_chunked('XCLAIM', {stream, group, me, 0}, ids, {'JUSTID'})
   call_chunked('HDEL', {meta_key}, ids)
 end
+-- Diagnostic: entries left that this worker would take with more seats (no signature, or a group
+-- that is no other worker's).
+local waiting = 0
+for k, it in ipairs(items) do
+  local s = it[3]
+  if not took[k] and (s == '' or owner[s] == nil or owner[s] == me) then waiting = waiting + 1 end
+end
 out[#out + 1] = claimed
 out[#out + 1] = lost
 out[#out + 1] = pilots
+out[#out + 1] = waiting
 return out
