@@ -62,6 +62,12 @@ REDIS_URL = Setting(
     "Redis URL of every process (client, worker, API, control plane); unix:// sockets work",
 )
 PREFIX = Setting("PAGEDSERVE_PREFIX", "ps", "prefix of every Redis key; one per deployment")
+SHARDS = Setting(
+    "PAGEDSERVE_SHARDS",
+    "1",
+    "Redis Cluster only: job shards (hash tags), each with its own priority streams; the same "
+    "in every process",
+)
 API_KEYS = Setting(
     "PAGEDSERVE_API_KEYS",
     "",
@@ -120,6 +126,7 @@ KERNEL_CACHE = Setting(
 SETTINGS: tuple[Setting, ...] = (
     REDIS_URL,
     PREFIX,
+    SHARDS,
     API_KEYS,
     API_KEYS_FILE,
     TENANT_MAX_QUEUED,

@@ -48,6 +48,15 @@ class Admitted:
     piloted: list[str] = field(default_factory=list)
 
 
+def check_admission_shards(shards: int) -> None:
+    """Prefix admission reads one bulk stream: it needs a single shard (PAGEDSERVE_SHARDS=1)."""
+    if shards != 1:
+        raise ValueError(
+            f"--admission prefix needs one shard; this Redis Cluster has {shards} "
+            "(set PAGEDSERVE_SHARDS=1, or use --admission fcfs)"
+        )
+
+
 class Admission(StoreBase):
     """Prefix-aware bulk admission and affinities (the worker calls these)."""
 
@@ -58,6 +67,7 @@ class Admission(StoreBase):
         (one pipelined round trip)."""
         if max_jobs <= 0:
             return Admitted([], {}, [], [], [])
+        check_admission_shards(self.keys.shards)
         self.ensure_groups()
         stream = self.keys.stream("bulk")
         args: list[Any] = [
