@@ -29,6 +29,13 @@ everything its scripts touch::
     ps:{sK}:jobs:{priority}  ps:{sK}:dead  ps:{sK}:cancel:{consumer}
     ps:{s0}:affinity[:expiry]  ps:{s0}:window   (prefix admission: one shard only)
     ps:{w}:worker:{id}  ps:{w}:workers           (heartbeats, written together)
+    ps:batch:{{id}}[:...]  ps:file:{{id}}[:chunks]  (each batch, each file: a slot of its own)
+
+Batch jobs span two slots (the job's, the batch's): their line is a second, idempotent step
+(``batch_count.lua``) right after the job's final write, and the fan-out adds members after their
+enqueue; a process dying in between leaves work that reconcile / the re-run fan-out finishes.
+The indexes (``batches``, ``batches:active``, ``files``) are written after the records they
+list, outside the records' transaction.
 
 An idempotency key's shard is ``crc32(key) % shards``; the store draws the job's id until it
 lands there (:meth:`JobStore.enqueue_args`), so the key and the job share a slot. Workers read
@@ -169,7 +176,12 @@ class Keys:
 
     # ------------------------------------------------------------------ batches and files
     def batch(self, batch_id: str) -> str:
-        return f"{self.prefix}:batch:{batch_id}"
+        """The batch's hash; its other keys extend this name (one slot on a cluster)."""
+        return (
+            f"{self.prefix}:batch:{{{batch_id}}}"
+            if self.cluster
+            else f"{self.prefix}:batch:{batch_id}"
+        )
 
     def batch_jobs(self, batch_id: str) -> str:
         """List: the batch's job ids in input order (written when the fan-out ends)."""
@@ -218,7 +230,10 @@ class Keys:
         return f"{self.prefix}:batches:active"
 
     def file(self, file_id: str) -> str:
-        return f"{self.prefix}:file:{file_id}"
+        """A file's hash; its chunk list extends this name (one slot on a cluster)."""
+        return (
+            f"{self.prefix}:file:{{{file_id}}}" if self.cluster else f"{self.prefix}:file:{file_id}"
+        )
 
     def file_chunks(self, file_id: str) -> str:
         """List: a generated file's content in chunks (no size cap)."""

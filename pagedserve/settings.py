@@ -68,6 +68,12 @@ SHARDS = Setting(
     "Redis Cluster only: job shards (hash tags), each with its own priority streams; the same "
     "in every process",
 )
+BROKER_URL = Setting(
+    "PAGEDSERVE_BROKER_URL",
+    "",
+    "Celery broker and result backend of the API, CLI and control plane (default: the Redis "
+    "URL); needed when that is a Redis Cluster, which kombu cannot use",
+)
 API_KEYS = Setting(
     "PAGEDSERVE_API_KEYS",
     "",
@@ -127,6 +133,7 @@ SETTINGS: tuple[Setting, ...] = (
     REDIS_URL,
     PREFIX,
     SHARDS,
+    BROKER_URL,
     API_KEYS,
     API_KEYS_FILE,
     TENANT_MAX_QUEUED,

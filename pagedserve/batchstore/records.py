@@ -53,7 +53,7 @@ class BatchRecords:
         self.jobs = store if isinstance(store, JobStore) else JobStore(store, prefix=prefix)
         self.r = self.jobs.r
         self.keys = self.jobs.keys
-        self.files = FileStore(self.r, self.keys.prefix, max_file_bytes)
+        self.files = FileStore(self.r, self.keys.prefix, max_file_bytes, keys=self.keys)
         self.known_models = (
             list(known_models) if known_models is not None else _known_models_from_env()
         )
@@ -96,6 +96,8 @@ class BatchRecords:
         window = parse_window(completion_window)
         ttl = DEFAULT_FILE_TTL_S if output_expires_after_s is None else output_expires_after_s
         check_ttl(ttl, "output_expires_after")
+        if tenant is not None and self.jobs.cluster:
+            raise ValueError("tenants (API keys) are not supported on a Redis Cluster yet")
         f = self.files.get(input_file_id)
         if f is None:
             raise KeyError(f"file {input_file_id} not found")
@@ -120,6 +122,13 @@ class BatchRecords:
         if tenant is not None:
             pipe.hset(self.keys.batch(b.id), "tenant", tenant)
             pipe.zadd(self.keys.tenant_batches(tenant), {b.id: seq})
+        if self.jobs.cluster:
+            # The indexes are other slots: written once the batch exists (a process dying in
+            # between leaves an unlisted batch that never started; its caller saw no answer).
+            pipe.execute()
+            self.r.zadd(self.index_key, {b.id: seq})
+            self.r.sadd(self.active_key, b.id)
+            return b
         pipe.zadd(self.index_key, {b.id: seq})
         pipe.sadd(self.active_key, b.id)
         pipe.execute()
@@ -211,12 +220,16 @@ class BatchRecords:
                         pipe.reset()
                         return b
                     pipe.hset(key, mapping=self._fields(b))
-                    if b.status in FINAL_STATUSES:
+                    final = b.status in FINAL_STATUSES
+                    if final and not self.jobs.cluster:
                         pipe.srem(self.active_key, batch_id)
+                    if final:
                         ttl = int(h.get("output_ttl") or DEFAULT_FILE_TTL_S)
                         for k in self.keys.batch_all(batch_id):
                             pipe.expire(k, ttl)
                     pipe.execute()
+                    if final and self.jobs.cluster:  # another slot (finalize_ready retries it)
+                        self.r.srem(self.active_key, batch_id)
                     return self.get(batch_id)
                 except redis.WatchError:
                     continue
