@@ -137,8 +137,8 @@ def kombu_options(url: str) -> tuple[str, dict[str, object]]:
     """(broker/backend URL, transport options) as kombu and Celery's Redis backend spell ``url``."""
     if parse_cluster(url) is not None:
         raise ValueError(
-            "Celery (kombu) cannot use a Redis Cluster as its broker: give the "
-            "control plane a single Redis or Sentinel URL of its own"
+            "Celery (kombu) cannot use a Redis Cluster as its broker: set PAGEDSERVE_BROKER_URL "
+            "to a single Redis or Sentinel URL"
         )
     target = parse_sentinel(url)
     if target is not None:

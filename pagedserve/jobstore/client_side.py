@@ -53,6 +53,8 @@ class ClientSide(StoreBase):
             idem = idem_key = self.keys.batch_idem(batch.batch_id, digest)
             shard = self.keys.batch_idem_shard(batch.batch_id, digest)
         job_id = self._id_in_shard(job_id, shard)
+        if not idem:  # unused by the script, but declared: a key of the job's slot
+            idem_key = self.keys.job(job_id)
         keys = [self.keys.job(job_id), self.keys.stream(request.priority, shard), idem_key]
         args = [
             job_id,
