@@ -29,6 +29,7 @@ everything its scripts touch::
     ps:{sK}:jobs:{priority}  ps:{sK}:dead  ps:{sK}:cancel:{consumer}
     ps:{s0}:affinity[:expiry]  ps:{s0}:window   (prefix admission: one shard only)
     ps:{w}:worker:{id}  ps:{w}:workers           (heartbeats, written together)
+    ps:{w}:shards                                (the shard count, checked by every process)
     ps:batch:{{id}}[:...]  ps:file:{{id}}[:chunks]  (each batch, each file: a slot of its own)
 
 Batch jobs span two slots (the job's, the batch's): their line is a second, idempotent step
@@ -154,6 +155,12 @@ class Keys:
     @property
     def workers(self) -> str:
         return f"{self._registry}:workers"
+
+    @property
+    def shard_count(self) -> str:
+        """String: the shard count the deployment's first process wrote (cluster only): a
+        process configured otherwise refuses to start rather than miss shards."""
+        return f"{self._registry}:shards"
 
     def cancel(self, consumer: str, shard: int = 0) -> str:
         """Set: ids of ``consumer``'s jobs (of one shard) that clients asked to cancel."""

@@ -16,7 +16,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import redis
 
 from pagedserve.client import Client
 from pagedserve.keys import GROUP
@@ -24,7 +23,7 @@ from pagedserve.redis_url import kombu_options, parse_cluster
 from pagedserve.redis_util import URL_ENV, LocalRedisServer
 from pagedserve.schemas import Completion, JobRequest, JobResult, JobStatus
 from pagedserve.settings import BROKER_URL, SHARDS
-from pagedserve.store import Finish, JobStore
+from pagedserve.store import JobStore
 from tests.fixtures.cluster import RedisClusterNodes
 from tests.fixtures.workers import StartWorker, wait_for
 
@@ -113,13 +112,14 @@ def test_jobs_spread_over_shards_and_masters_and_each_ends_once(
     assert store.queue_lengths() == {"interactive": 0, "bulk": 0}
 
 
-def test_a_script_that_spans_slots_is_refused_by_the_cluster(redis_cluster: Cluster) -> None:
-    """What the layout guards against: the cluster refuses a script whose keys are in two slots,
-    so the tests above passing means every call the store made stayed in one."""
+def test_a_process_with_another_shard_count_is_refused(redis_cluster: Cluster) -> None:
+    """Jobs in shards a worker does not know would never run: the first process's count is
+    kept in the cluster and another count is refused (a single Redis has one shard, always)."""
     cluster = redis_cluster(1)
-    r = JobStore(cluster.url).r
-    with pytest.raises(redis.RedisClusterException, match="same key slot|CROSSSLOT"):
-        r.eval("return 1", 2, "ps:{s0}:job:a", "ps:{s1}:job:b")
+    JobStore(cluster.url, shards=2).ensure_groups()
+    with pytest.raises(ValueError, match="uses 2 shards; this process was given 3"):
+        JobStore(cluster.url, shards=3).enqueue("j", JobRequest(prompt="p"))
+    assert JobStore(cluster.url, shards=2).enqueue("j", JobRequest(prompt="p")) == ("j", True)
 
 
 def test_kill9_mid_run_every_job_exactly_once(

@@ -37,6 +37,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from pagedserve.jobstore.admission import check_admission_shards
 from pagedserve.keys import PREFIX_ENV
 from pagedserve.store import Finish, JobStore, Lease, Progress, StepResult, WriteError
 from pagedserve.telemetry import WorkerHeartbeat
@@ -400,6 +401,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         lease_ms=cfg.lease_ms,
         max_deliveries=cfg.max_deliveries,
     )
+    if cfg.admission == "prefix":
+        check_admission_shards(store.keys.shards)  # before loading a model for nothing
     from worker.engine import Engine
 
     engine = Engine(args.model, engine_config(args))

@@ -71,6 +71,8 @@ class StoreBase:
         """Create the priority streams and their consumer group (idempotent)."""
         if self._groups_ready:
             return
+        if self.cluster:
+            self.check_shards()
         for stream in self.all_streams():
             try:
                 self.r.xgroup_create(stream, GROUP, id="0", mkstream=True)
@@ -78,6 +80,19 @@ class StoreBase:
                 if "BUSYGROUP" not in str(e):
                     raise
         self._groups_ready = True
+
+    def check_shards(self) -> None:
+        """Raise ``ValueError`` when this cluster's deployment was started with another shard
+        count (jobs of the shards a process does not know would never run)."""
+        key, n = self.keys.shard_count, self.keys.shards
+        self.r.set(key, n, nx=True)
+        got = int(self.r.get(key) or n)
+        if got != n:
+            raise ValueError(
+                f"this Redis Cluster's deployment (prefix {self.keys.prefix!r}) uses {got} "
+                f"shards; this process was given {n} (PAGEDSERVE_SHARDS must be the same in "
+                "every process)"
+            )
 
     def all_streams(self, priorities: Sequence[str] = PRIORITIES) -> list[str]:
         """Every shard's stream of each priority, priority-major (interactive first)."""
