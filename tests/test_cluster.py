@@ -17,17 +17,20 @@ from pathlib import Path
 
 import pytest
 
+from pagedserve.batches import BatchStore
 from pagedserve.client import Client
 from pagedserve.keys import GROUP
+from pagedserve.openai_format import COMPLETIONS_URL
 from pagedserve.redis_url import kombu_options, parse_cluster
 from pagedserve.redis_util import URL_ENV, LocalRedisServer
 from pagedserve.schemas import Completion, JobRequest, JobResult, JobStatus
 from pagedserve.settings import BROKER_URL, SHARDS
-from pagedserve.store import JobStore
+from pagedserve.store import BatchRef, Finish, JobStore
 from tests.fixtures.cluster import RedisClusterNodes
 from tests.fixtures.workers import StartWorker, wait_for
 
 SHARD_COUNT = 3
+MODEL = "tiny"
 PARAMS = {"max_tokens": 40, "temperature": 0, "ignore_eos": True}
 
 Cluster = Callable[[int], RedisClusterNodes]
@@ -43,6 +46,12 @@ def shards(monkeypatch: pytest.MonkeyPatch) -> int:
 def result(n: int) -> JobResult:
     comp = Completion(index=0, text="x" * n, token_ids=list(range(n)), finish_reason="length")
     return JobResult(completions=[comp], prompt_tokens=1, completion_tokens=n)
+
+
+def counts(bs: BatchStore, bid: str) -> dict[str, int]:
+    b = bs.get(bid)
+    assert b is not None
+    return b.request_counts.model_dump()
 
 
 def test_cluster_urls_parse_and_bad_ones_say_why() -> None:
@@ -120,6 +129,51 @@ def test_a_process_with_another_shard_count_is_refused(redis_cluster: Cluster) -
     with pytest.raises(ValueError, match="uses 2 shards; this process was given 3"):
         JobStore(cluster.url, shards=3).enqueue("j", JobRequest(prompt="p"))
     assert JobStore(cluster.url, shards=2).enqueue("j", JobRequest(prompt="p")) == ("j", True)
+
+
+def test_a_crash_between_a_batch_jobs_two_steps_loses_and_repeats_nothing(
+    redis_cluster: Cluster, shards: int
+) -> None:
+    """On a cluster a batch job's end is two steps (its final write, then its line in the
+    batch's slot) and so is its enqueue (the job, then its membership). A process dying after
+    the first step: the re-run fan-out adds the members, reconcile adds the line; the late
+    second step, and reconcile again, add nothing."""
+    cluster = redis_cluster(1)
+    bs = BatchStore(JobStore(cluster.url), known_models=[MODEL])
+    js = bs.jobs
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    text = "".join(
+        json.dumps({"custom_id": c, "method": "POST", "url": COMPLETIONS_URL, "body": body}) + "\n"
+        for c in ("a", "b", "c")
+    )
+    bid = bs.create(bs.files.create(text, "in.jsonl").id, COMPLETIONS_URL).id
+    # A fan-out that died after enqueueing the first request, before adding it as a member.
+    ref = BatchRef(bid, "a", COMPLETIONS_URL, MODEL)
+    keys, args = js.enqueue_args("x", JobRequest(prompt="hi", params={"max_tokens": 2}), batch=ref)
+    first = js._exec([("enqueue", keys, args)])[0][0]
+    js.r.hset(js.keys.batch(bid), "fanout", "started")
+    assert bs.member_ids(bid) == []
+    bs.fan_out(bid)  # run again to the end: nothing enqueued twice, every job a member
+    ids = bs.job_ids(bid)
+    assert len(ids) == 3 and first in ids and sorted(bs.member_ids(bid)) == sorted(ids)
+    leases = js.claim("w", 10)
+    assert sorted(x.job_id for x in leases) == sorted(ids)
+    # The first lease's final write lands; its process dies before the line.
+    fin = Finish(leases[0], "succeeded", result=result(1))
+    assert js._exec([js._finish_call(fin)])[0][0] == 1
+    assert counts(bs, bid) == {"total": 3, "completed": 0, "failed": 0}
+    assert bs.reconcile(bid) == 1
+    assert js.add_batch_lines([js._line_of(fin)]) == 0  # the late second step
+    assert bs.reconcile(bid) == 0
+    for lease in leases[1:]:
+        assert js.complete(lease, result(1))  # both steps
+    assert counts(bs, bid) == {"total": 3, "completed": 3, "failed": 0}
+    done = bs.finalize(bid)
+    assert done is not None and done.status == "completed"
+    out = [
+        json.loads(x) for x in (bs.files.content(done.output_file_id or "") or "").split("\n") if x
+    ]
+    assert sorted(o["custom_id"] for o in out) == ["a", "b", "c"]
 
 
 def test_kill9_mid_run_every_job_exactly_once(
