@@ -59,7 +59,8 @@ class Setting:
 REDIS_URL = Setting(
     "PAGEDSERVE_REDIS_URL",
     "redis://localhost:6379/0",
-    "Redis URL of every process (client, worker, API, control plane); unix:// sockets work",
+    "Redis URL of every process (client, worker, API, control plane); unix://, "
+    "redis+sentinel:// and redis+cluster:// work",
 )
 PREFIX = Setting("PAGEDSERVE_PREFIX", "ps", "prefix of every Redis key; one per deployment")
 SHARDS = Setting(
