@@ -121,6 +121,24 @@ def test_jobs_spread_over_shards_and_masters_and_each_ends_once(
     assert store.queue_lengths() == {"interactive": 0, "bulk": 0}
 
 
+def test_a_cancel_naming_a_stale_owner_changes_nothing(redis_cluster: Cluster) -> None:
+    """The cancel script declares the owner's cancel set it was given: when the job's owner is
+    another by then (reclaimed in between), it answers 'moved' and changes nothing; the store's
+    cancel reads the owner again and lands in the right set."""
+    cluster = redis_cluster(1)
+    store = JobStore(cluster.url, lease_ms=60_000)
+    store.enqueue("j", JobRequest(prompt="p"))
+    (lease,) = store.claim("new-owner", 1)
+    k = store.keys.shard("j")
+    keys = [store.keys.job("j"), store.keys.events("j"), store.keys.cancel("old-owner", k)]
+    args = ["old-owner", store.retention_s, store.events_maxlen]
+    assert store._exec([("cancel", keys, args)])[0] == ["moved", 0]
+    assert store.status("j") == JobStatus.RUNNING and not store.r.exists(keys[2])
+    assert store.cancel("j") == JobStatus.CANCELLING
+    assert store.pop_cancels("new-owner") == {"j"} and store.pop_cancels("old-owner") == set()
+    assert store.finish_cancelled(lease)
+
+
 def test_a_process_with_another_shard_count_is_refused(redis_cluster: Cluster) -> None:
     """Jobs in shards a worker does not know would never run: the first process's count is
     kept in the cluster and another count is refused (a single Redis has one shard, always)."""

@@ -155,8 +155,14 @@ class Leasing(StoreBase):
             if job_id is None:  # the entry's content was deleted: nothing to run
                 self.r.xack(stream, GROUP, eid)
                 continue
+            shard = self._stream_shard(stream)
+            if self.keys.shard(job_id) != shard:
+                # Not written by enqueue (its jobs live in their stream's shard): on a cluster
+                # its record is in another slot than the entry, which no script may span.
+                self._dead_letter_unreadable(stream, eid, job_id, ValueError("wrong shard"))
+                continue
             live.append((stream, eid, job_id))
-            dead = self.keys.dead_in(self._stream_shard(stream))
+            dead = self.keys.dead_in(shard)
             keys = [self.keys.job(job_id), stream, dead, self.keys.events(job_id)]
             args = [
                 consumer,
@@ -266,10 +272,11 @@ class Leasing(StoreBase):
         )
 
     def _stream_shard(self, stream: str) -> int:
-        """The shard of one of our stream keys (``ps:{sK}:jobs:<priority>``; 0 untagged)."""
-        if not self.keys.cluster:
-            return 0
-        return int(stream.split("{s", 1)[1].split("}", 1)[0])
+        """The shard of one of our stream keys (``ps:{sK}:jobs:<priority>``)."""
+        n = self.keys.shards
+        return next(
+            (k for k in range(n) for p in PRIORITIES if self.keys.stream(p, k) == stream), 0
+        )
 
     def renew(self, leases: Sequence[Lease]) -> list[str]:
         """Extend every lease in one round trip (and reset their entries' idle time so no other
