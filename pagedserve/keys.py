@@ -30,6 +30,7 @@ everything its scripts touch::
     ps:{s0}:affinity[:expiry]  ps:{s0}:window   (prefix admission: one shard only)
     ps:{w}:worker:{id}  ps:{w}:workers           (heartbeats, written together)
     ps:{w}:shards                                (the shard count, checked by every process)
+    ps:{sK}:tenant:{t}:open|:stats|:prune  ps:{sK}:tenants  ps:{s0}:tenant:{t}:files
     ps:batch:{{id}}[:...]  ps:file:{{id}}[:chunks]  (each batch, each file: a slot of its own)
 
 Batch jobs span two slots (the job's, the batch's): their line is a second, idempotent step
@@ -257,13 +258,26 @@ class Keys:
     # ----------------------------------------------------------------------------- tenants
     @property
     def tenants(self) -> str:
-        """Set of every tenant that has written something (pagedserve.tenants)."""
-        return f"{self.prefix}:tenants"
+        """Set of every tenant that has written something (pagedserve.tenants); on a cluster
+        shard 0's (each shard has one: :meth:`tenants_in`)."""
+        return self.tenants_in(0)
+
+    def tenants_in(self, shard: int) -> str:
+        return f"{self._in(shard)}:tenants"
 
     def tenant(self, tenant: str) -> str:
         """Base of one tenant's keys: ``:open`` (set of open job ids), ``:stats`` (hash),
-        ``:files`` (hash file id -> bytes), ``:prune`` (throttle), ``:batches`` (zset)."""
+        ``:files`` (hash file id -> bytes), ``:prune`` (throttle), ``:batches`` (zset). On a
+        cluster the first three are per shard (:meth:`tenant_in`; files: shard 0's)."""
         return f"{self.prefix}:tenant:{tenant}"
+
+    def tenant_in(self, tenant: str, shard: int) -> str:
+        """Base of one tenant's keys of one shard (the job accounting: beside its jobs)."""
+        return f"{self._in(shard)}:tenant:{tenant}"
+
+    def job_prefix(self, shard: int) -> str:
+        """What a job id is appended to for its record's key, in one shard (Lua builds keys)."""
+        return f"{self._in(shard)}:job:"
 
     def tenant_batches(self, tenant: str) -> str:
         """One tenant's batches, like ``{prefix}:batches`` (the newest-first list)."""
@@ -271,7 +285,7 @@ class Keys:
 
     def tenant_files(self, tenant: str) -> str:
         """One tenant's stored files: hash file id -> bytes (pagedserve.tenants)."""
-        return f"{self.tenant(tenant)}:files"
+        return f"{self.tenant_in(tenant, 0)}:files"
 
     @property
     def supervisor_restarts(self) -> str:

@@ -121,6 +121,27 @@ def test_jobs_spread_over_shards_and_masters_and_each_ends_once(
     assert store.queue_lengths() == {"interactive": 0, "bulk": 0}
 
 
+def test_tenant_accounting_sums_over_shards(redis_cluster: Cluster, shards: int) -> None:
+    """A tenant's open jobs are kept per shard (a prune reads records of its own slot) and
+    summed: the limit counts every shard, and each ended job is counted once."""
+    cluster = redis_cluster(3)
+    client = Client(cluster.url, tenant="team-a")
+    store, book = client.store, client.store.tenants
+    ids = client.submit_many([f"t{i}" for i in range(24)], {"max_tokens": 2})
+    assert len({store.keys.shard(j) for j in ids}) == shards
+    assert book.open_jobs("team-a", force=True) == 24
+    ok, n = book.admit_job("team-a", "reserved-1", limit=24)
+    assert (ok, n) == (False, 24)
+    for lease in store.claim("w", 100):
+        assert store.complete(lease, result(2))
+    assert book.open_jobs("team-a", force=True) == 0
+    u = book.usage("team-a", store.keys.file(""))
+    assert (u.jobs_finished, u.tokens_generated, u.queued, u.running) == (24, 48, 0, 0)
+    assert book.admit_job("team-a", "reserved-2", limit=1) == (True, 1)
+    assert book.tenants() == ["team-a"]
+    assert {r.tenant for r in store.get_many(ids) if r is not None} == {"team-a"}
+
+
 def test_a_cancel_naming_a_stale_owner_changes_nothing(redis_cluster: Cluster) -> None:
     """The cancel script declares the owner's cancel set it was given: when the job's owner is
     another by then (reclaimed in between), it answers 'moved' and changes nothing; the store's

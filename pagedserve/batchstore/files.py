@@ -20,7 +20,7 @@ from pagedserve.batchstore.models import (
     _new_id,
 )
 from pagedserve.keys import DEFAULT_PREFIX, Keys
-from pagedserve.tenants import ADMIT_FILE, DEFAULT_TENANT, QuotaExceeded
+from pagedserve.tenants import DEFAULT_TENANT, QuotaExceeded, TenantBook
 
 log = logging.getLogger("pagedserve.batches")
 
@@ -43,7 +43,6 @@ class FileStore:
         self.cluster = self.keys.cluster
         self.max_bytes = max_bytes
         self.ttl_s = ttl_s
-        self._admit_file = r.register_script(ADMIT_FILE)
 
     def key(self, file_id: str) -> str:
         return self.keys.file(file_id)
@@ -142,9 +141,8 @@ class FileStore:
     def _count_bytes(self, obj: FileObject, tenant: str, limit: int) -> None:
         """Count a file just written among its tenant's bytes (after it exists: the count drops
         entries whose file is gone); over ``limit`` (0: none) it is deleted again."""
-        keys = [self.keys.tenant_files(tenant), self.keys.tenants]
-        ok, total = self._admit_file(
-            keys=keys, args=[self.key(""), obj.id, obj.bytes, limit, tenant]
+        ok, total = TenantBook(self.r, self.keys).admit_file(
+            tenant, self.key(""), obj.id, obj.bytes, limit
         )
         if not ok:
             self.delete(obj.id)

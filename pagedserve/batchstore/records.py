@@ -96,8 +96,6 @@ class BatchRecords:
         window = parse_window(completion_window)
         ttl = DEFAULT_FILE_TTL_S if output_expires_after_s is None else output_expires_after_s
         check_ttl(ttl, "output_expires_after")
-        if tenant is not None and self.jobs.cluster:
-            raise ValueError("tenants (API keys) are not supported on a Redis Cluster yet")
         f = self.files.get(input_file_id)
         if f is None:
             raise KeyError(f"file {input_file_id} not found")
@@ -121,14 +119,17 @@ class BatchRecords:
         pipe.hset(self.keys.batch(b.id), mapping=counts)
         if tenant is not None:
             pipe.hset(self.keys.batch(b.id), "tenant", tenant)
-            pipe.zadd(self.keys.tenant_batches(tenant), {b.id: seq})
         if self.jobs.cluster:
             # The indexes are other slots: written once the batch exists (a process dying in
             # between leaves an unlisted batch that never started; its caller saw no answer).
             pipe.execute()
+            if tenant is not None:
+                self.r.zadd(self.keys.tenant_batches(tenant), {b.id: seq})
             self.r.zadd(self.index_key, {b.id: seq})
             self.r.sadd(self.active_key, b.id)
             return b
+        if tenant is not None:
+            pipe.zadd(self.keys.tenant_batches(tenant), {b.id: seq})
         pipe.zadd(self.index_key, {b.id: seq})
         pipe.sadd(self.active_key, b.id)
         pipe.execute()

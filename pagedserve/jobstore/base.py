@@ -142,12 +142,31 @@ class StoreBase:
         return replies
 
     def _send(self, calls: Sequence[Call], transaction: bool) -> list[Any]:
+        if transaction and self.cluster:
+            return self._send_per_slot(calls)
+        return self._pipe(calls, transaction)
+
+    def _pipe(self, calls: Sequence[Call], transaction: bool) -> list[Any]:
         pipe = self.r.pipeline(transaction=transaction)
         for name, keys, args in calls:
             # execute_command: a cluster pipeline blocks its evalsha method, not the command
             # (routed by its first key).
             pipe.execute_command("EVALSHA", self._scripts[name].sha, len(keys), *keys, *args)
         return list(pipe.execute(raise_on_error=False))
+
+    def _send_per_slot(self, calls: Sequence[Call]) -> list[Any]:
+        """Cluster: a MULTI/EXEC spans one slot, so the calls run as one transaction per slot
+        (a job's calls, e.g. its enqueue and its tenant tag, share its shard's slot)."""
+        by_slot: dict[int, list[int]] = {}
+        for i, (_, keys, _) in enumerate(calls):
+            by_slot.setdefault(self.r.keyslot(keys[0]), []).append(i)  # type: ignore[attr-defined]
+        replies: list[Any] = [None] * len(calls)
+        for idx in by_slot.values():
+            part = [calls[i] for i in idx]
+            one = self._pipe(part, len(idx) > 1)
+            for i, x in zip(idx, one, strict=True):
+                replies[i] = x
+        return replies
 
     def add_batch_lines(self, adds: Sequence[LineAdd]) -> int:
         """Add batch lines of jobs that ended without their worker's final write (one round

@@ -101,11 +101,6 @@ class ClientSide(StoreBase):
         ``batches`` gives each job's :class:`BatchRef` (the fan-out). With a ``tenant`` each
         enqueue is followed by its tenant tag, all in one MULTI/EXEC."""
         self.ensure_groups()
-        if tenant is not None and self.cluster:
-            raise ValueError(
-                "tenants (API keys) are not supported on a Redis Cluster yet: their accounting "
-                "reads job records of every slot"
-            )
         refs: Sequence[BatchRef | None] = batches if batches is not None else [None] * len(jobs)
         calls: list[Call] = []
         for (jid, req), ref in zip(jobs, refs, strict=True):
@@ -113,7 +108,7 @@ class ClientSide(StoreBase):
             calls.append(("enqueue", keys, args))
             if tenant is not None:
                 jid = args[0]
-                tag_args = [jid, tenant, self.keys.job("")]
+                tag_args = [jid, tenant, self.tenants.job_prefix_of(jid)]
                 calls.append(("tag_tenant", self.tenants.tag_keys(jid, tenant), tag_args))
         replies = self._exec(calls, transaction=tenant is not None)
         step = 1 if tenant is None else 2
