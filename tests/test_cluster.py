@@ -259,9 +259,11 @@ def test_a_batch_runs_end_to_end_on_a_cluster(
     redis_server: LocalRedisServer,
     tmp_path: Path,
 ) -> None:
-    """CLI, control plane and worker on one ``redis+cluster://`` URL; Celery's broker on a
-    plain Redis (``PAGEDSERVE_BROKER_URL``)."""
+    """CLI, control plane and worker on one cluster (the CLI by ``--redis-cluster NODES``, the
+    others by the ``redis+cluster://`` URL); Celery's broker on a plain Redis
+    (``PAGEDSERVE_BROKER_URL``)."""
     cluster = redis_cluster(3)
+    nodes = cluster.url.split("://", 1)[1]
     w = start_worker(cluster.url, make_tiny_model("llama"), "w")
     model = JobStore(cluster.url).workers()["w"]["model"]
     env = dict(os.environ, **{URL_ENV: cluster.url, BROKER_URL.name: redis_server.url})
@@ -279,7 +281,7 @@ def test_a_batch_runs_end_to_end_on_a_cluster(
         src = tmp_path / "in.jsonl"
         src.write_text("".join(json.dumps(x) + "\n" for x in lines))
         got = subprocess.run(
-            [sys.executable, "-m", "stack", "--redis", cluster.url, "batch", "submit", str(src),
+            [sys.executable, "-m", "stack", "--redis-cluster", nodes, "batch", "submit", str(src),
              "--wait", "--poll", "0.2", "--output", str(tmp_path / "out.jsonl")],
             capture_output=True, text=True, timeout=240, env=env,
         )  # fmt: skip

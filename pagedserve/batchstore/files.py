@@ -20,6 +20,7 @@ from pagedserve.batchstore.models import (
     _new_id,
 )
 from pagedserve.keys import DEFAULT_PREFIX, Keys
+from pagedserve.redis_url import is_cluster
 from pagedserve.tenants import DEFAULT_TENANT, QuotaExceeded, TenantBook
 
 log = logging.getLogger("pagedserve.batches")
@@ -38,7 +39,7 @@ class FileStore:
         keys: Keys | None = None,
     ):
         self.r = r
-        self.keys = keys or Keys(prefix)
+        self.keys = keys or Keys(prefix, cluster=is_cluster(r))
         #: A cluster: the listing (another slot) is written after the file's own transaction.
         self.cluster = self.keys.cluster
         self.max_bytes = max_bytes
