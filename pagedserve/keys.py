@@ -41,8 +41,8 @@ list, outside the records' transaction.
 
 An idempotency key's shard is ``crc32(key) % shards``; the store draws the job's id until it
 lands there (:meth:`JobStore.enqueue_args`), so the key and the job share a slot. Workers read
-every shard's streams (one consumer group per stream). Without a cluster the layout above the
-line is kept as it was (one shard, no tags): a single Redis needs no migration.
+every shard's streams (one consumer group per stream). Without a cluster the first layout
+above is kept as it was (one shard, no tags): a single Redis needs no migration.
 """
 
 from __future__ import annotations
