@@ -24,7 +24,11 @@ class ApiConfig:
 
     redis_url: str = field(
         default=settings.REDIS_URL.default,
-        metadata=opt("Redis URL", env=settings.REDIS_URL, flag="--redis"),
+        metadata=opt(
+            "Redis URL: redis://, rediss://, unix://, redis+sentinel://, redis+cluster://",
+            env=settings.REDIS_URL,
+            flag="--redis",
+        ),
     )
     prefix: str = field(
         default=settings.PREFIX.default, metadata=opt("Redis key prefix", env=settings.PREFIX)

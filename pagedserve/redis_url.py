@@ -9,8 +9,10 @@ from ``?sentinel_password=``. A retried write whose first attempt reached the ol
 it died runs twice: the worker's writes are fenced and idempotent; an enqueue may then create a
 second job (the idempotency key, when the caller sets one, prevents that).
 
-Redis Cluster is not accepted yet: the job store's scripts touch keys in more than one hash slot
-(see the README's scaling section).
+``redis+cluster://[:password@]host:port[,host:port...]`` names some nodes of a Redis Cluster;
+the client learns the slot map from them (``redis.cluster.RedisCluster``) and follows MOVED /
+ASK redirections. The job store then uses its cluster key layout (:mod:`pagedserve.keys`), in
+which every script touches one hash slot.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ from urllib.parse import parse_qs, unquote, urlparse
 
 import redis
 from redis.backoff import ExponentialBackoff
+from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 from redis.sentinel import Sentinel
 
 SENTINEL_SCHEME = "redis+sentinel"
+CLUSTER_SCHEME = "redis+cluster"
 #: Seconds a sentinel may take to answer "who is the master?".
 SENTINEL_TIMEOUT_S = 2.0
 #: A command that meets a dead or demoted master is retried this many times with backoff
@@ -67,12 +71,48 @@ def parse_sentinel(url: str) -> SentinelTarget | None:
     )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class ClusterTarget:
+    nodes: tuple[tuple[str, int], ...]
+    password: str | None = None
+
+
+def parse_cluster(url: str) -> ClusterTarget | None:
+    """The startup nodes a ``redis+cluster://`` URL names; None for any other URL."""
+    if not url.startswith(f"{CLUSTER_SCHEME}://"):
+        return None
+    rest = url[len(CLUSTER_SCHEME) + 3 :]
+    auth, _, rest = rest.rpartition("@")
+    hosts = rest.partition("?")[0].rstrip("/")
+    nodes = []
+    for h in hosts.split(",") if hosts else []:
+        host, _, port = h.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"cluster node {h!r} in {url!r} is not host:port")
+        nodes.append((host.strip("[]"), int(port)))
+    if not nodes:
+        raise ValueError(f"expected {CLUSTER_SCHEME}://host:port[,host:port...], not {url!r}")
+    password = unquote(auth.partition(":")[2]) if auth else None
+    return ClusterTarget(tuple(nodes), password or None)
+
+
+def is_cluster(client: object) -> bool:
+    """Whether ``client`` talks to a Redis Cluster (the store then uses the cluster layout)."""
+    return isinstance(client, RedisCluster)
+
+
 def connect_url(url: str, **options: object) -> redis.Redis:
     """A client for ``url`` (see the module doc); ``options`` go to redis-py."""
+    cluster = parse_cluster(url)
+    if cluster is not None:
+        nodes = [ClusterNode(h, p) for h, p in cluster.nodes]
+        return RedisCluster(  # type: ignore[return-value]
+            startup_nodes=nodes,
+            password=cluster.password,
+            **options,  # type: ignore[arg-type]
+        )
     target = parse_sentinel(url)
     if target is None:
-        if url.startswith("redis+cluster://"):
-            raise ValueError("Redis Cluster is not supported yet; use one Redis or Sentinel")
         return redis.Redis.from_url(url, **options)  # type: ignore[arg-type]
     sentinel_kwargs = {"socket_timeout": SENTINEL_TIMEOUT_S}
     if target.sentinel_password:
@@ -95,6 +135,11 @@ def connect_url(url: str, **options: object) -> redis.Redis:
 
 def kombu_options(url: str) -> tuple[str, dict[str, object]]:
     """(broker/backend URL, transport options) as kombu and Celery's Redis backend spell ``url``."""
+    if parse_cluster(url) is not None:
+        raise ValueError(
+            "Celery (kombu) cannot use a Redis Cluster as its broker: set PAGEDSERVE_BROKER_URL "
+            "to a single Redis or Sentinel URL"
+        )
     target = parse_sentinel(url)
     if target is not None:
         auth = f":{target.password}@" if target.password else ""

@@ -59,9 +59,22 @@ class Setting:
 REDIS_URL = Setting(
     "PAGEDSERVE_REDIS_URL",
     "redis://localhost:6379/0",
-    "Redis URL of every process (client, worker, API, control plane); unix:// sockets work",
+    "Redis URL of every process (client, worker, API, control plane); unix://, "
+    "redis+sentinel:// and redis+cluster:// work",
 )
 PREFIX = Setting("PAGEDSERVE_PREFIX", "ps", "prefix of every Redis key; one per deployment")
+SHARDS = Setting(
+    "PAGEDSERVE_SHARDS",
+    "1",
+    "Redis Cluster only: job shards (hash tags), each with its own priority streams; the same "
+    "in every process",
+)
+BROKER_URL = Setting(
+    "PAGEDSERVE_BROKER_URL",
+    "",
+    "Celery broker and result backend of the API, CLI and control plane (default: the Redis "
+    "URL); needed when that is a Redis Cluster, which kombu cannot use",
+)
 API_KEYS = Setting(
     "PAGEDSERVE_API_KEYS",
     "",
@@ -120,6 +133,8 @@ KERNEL_CACHE = Setting(
 SETTINGS: tuple[Setting, ...] = (
     REDIS_URL,
     PREFIX,
+    SHARDS,
+    BROKER_URL,
     API_KEYS,
     API_KEYS_FILE,
     TENANT_MAX_QUEUED,

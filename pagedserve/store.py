@@ -49,7 +49,8 @@ from pagedserve.jobstore.records import (
     check_client_request,
 )
 from pagedserve.jobstore.registry import WorkerRegistry
-from pagedserve.keys import DEFAULT_PREFIX, Keys
+from pagedserve.keys import DEFAULT_PREFIX, Keys, env_shards
+from pagedserve.redis_url import is_cluster
 from pagedserve.redis_util import connect
 from pagedserve.schemas import TERMINAL_STATUSES
 from pagedserve.tenants import TAG_JOB, TenantBook
@@ -69,11 +70,15 @@ class JobStore(ClientSide, Leasing, Admission, Commits, WorkerRegistry, StoreBas
         lease_ms: int = DEFAULT_LEASE_MS,
         max_deliveries: int = DEFAULT_MAX_DELIVERIES,
         events_maxlen: int = DEFAULT_EVENTS_MAXLEN,
+        shards: int | None = None,
     ) -> None:
         if redis_client is None or isinstance(redis_client, str):
             redis_client = connect(redis_client)
         self.r = redis_client
-        self.keys = Keys(prefix)
+        self.cluster = is_cluster(redis_client)
+        # Shards only mean something on a cluster; a single Redis keeps its one-shard layout.
+        n = (shards if shards is not None else env_shards()) if self.cluster else 1
+        self.keys = Keys(prefix, shards=n, cluster=self.cluster)
         self.retention_s = retention_s
         self.lease_ms = lease_ms
         self.max_deliveries = max_deliveries
@@ -92,6 +97,8 @@ class JobStore(ClientSide, Leasing, Admission, Commits, WorkerRegistry, StoreBas
         # per stream); they are leased first at the next claim.
         self._stash = {}
         self._autoclaim_cursor = {}
+        # Which shard a blocking claim waits on next (a blocking read cannot span slots).
+        self._block_turn = 0
 
 
 __all__ = [

@@ -114,13 +114,14 @@ return {1, n + 1}
 )
 
 #: KEYS: files hash, tenants set; ARGV: file key prefix, file id, bytes ('' to only sum), limit
-#: (0: none), tenant. Drops entries of deleted files, then admits the new file if the sum stays
+#: (0: none), tenant. Drops entries of deleted files (unless the prefix is '': on a cluster the
+#: caller did), then admits the new file if the sum stays
 #: within the limit. Returns {admitted 0/1, bytes stored (with the new file when admitted)}.
 ADMIT_FILE = """
 local total = 0
 local h = redis.call('HGETALL', KEYS[1])
 for i = 1, #h, 2 do
-  if redis.call('EXISTS', ARGV[1] .. h[i]) == 0 then
+  if ARGV[1] ~= '' and redis.call('EXISTS', ARGV[1] .. h[i]) == 0 then
     redis.call('HDEL', KEYS[1], h[i])
   else
     total = total + tonumber(h[i + 1])
@@ -164,7 +165,14 @@ class TenantUsage:
 
 
 class TenantBook:
-    """The per-tenant keys and scripts under one prefix (see the module docstring)."""
+    """The per-tenant keys and scripts under one prefix (see the module docstring).
+
+    On a Redis Cluster the job accounting is kept per shard (``ps:{sK}:tenant:{t}:open`` ...,
+    beside the shard's jobs, so that a prune reads job records of its own slot) and summed over
+    shards; a job limit is then checked against the other shards' counts read just before, so
+    concurrent admissions may pass it by a few. A tenant's files hash lives in shard 0's slot;
+    entries of deleted files (each file has a slot of its own) are dropped before the count.
+    """
 
     def __init__(self, r: redis.Redis, keys: Keys) -> None:
         self.r = r
@@ -175,47 +183,64 @@ class TenantBook:
         self._admit_file = r.register_script(ADMIT_FILE)
 
     # ----------------------------------------------------------------------------- keys
-    def base(self, tenant: str) -> str:
-        return self.keys.tenant(tenant)
+    def base(self, tenant: str, shard: int = 0) -> str:
+        return self.keys.tenant_in(tenant, shard)
 
     @property
     def index(self) -> str:
         return self.keys.tenants
 
-    def open_key(self, tenant: str) -> str:
-        return f"{self.base(tenant)}:open"
+    def open_key(self, tenant: str, shard: int = 0) -> str:
+        return f"{self.base(tenant, shard)}:open"
 
-    def stats_key(self, tenant: str) -> str:
-        return f"{self.base(tenant)}:stats"
+    def stats_key(self, tenant: str, shard: int = 0) -> str:
+        return f"{self.base(tenant, shard)}:stats"
 
     def files_key(self, tenant: str) -> str:
         return self.keys.tenant_files(tenant)
 
+    def _shard_keys(self, tenant: str, shard: int) -> list[str]:
+        """Open set, stats hash, prune throttle and tenants index of one shard."""
+        return [
+            self.open_key(tenant, shard),
+            self.stats_key(tenant, shard),
+            f"{self.base(tenant, shard)}:prune",
+            self.keys.tenants_in(shard),
+        ]
+
     def tag_keys(self, job_id: str, tenant: str) -> list[str]:
         """KEYS of :data:`TAG_JOB` for a job of ``tenant``."""
-        return [self.keys.job(job_id), self.open_key(tenant), self.stats_key(tenant), self.index]
+        k = self.keys.shard(job_id)
+        return [self.keys.job(job_id), *self._shard_keys(tenant, k)[:2], self.keys.tenants_in(k)]
+
+    def job_prefix_of(self, job_id: str) -> str:
+        """ARGV of the scripts for the job records of ``job_id``'s shard."""
+        return self.keys.job_prefix(self.keys.shard(job_id))
 
     @property
     def job_prefix(self) -> str:
-        return self.keys.job("")
+        return self.keys.job_prefix(0)
 
     # ----------------------------------------------------------------------------- jobs
     def admit_job(self, tenant: str, job_id: str, limit: int) -> tuple[bool, int]:
         """Reserve a place for ``job_id`` among the tenant's at most ``limit`` open jobs."""
-        keys = [self.open_key(tenant), self.stats_key(tenant), f"{self.base(tenant)}:prune"]
-        keys.append(self.index)
-        args = [self.job_prefix, limit, job_id, tenant, PRUNE_EVERY_MS]
-        ok, n = self._admit_job(keys=keys, args=args)
-        return bool(ok), int(n)
+        k = self.keys.shard(job_id)
+        others = sum(self._open_in(tenant, j, False) for j in range(self.keys.shards) if j != k)
+        args = [self.keys.job_prefix(k), limit - others, job_id, tenant, PRUNE_EVERY_MS]
+        ok, n = self._admit_job(keys=self._shard_keys(tenant, k), args=args)
+        return bool(ok), int(n) + others
 
     def unreserve(self, tenant: str, job_id: str) -> None:
         """Give back a reservation whose job was not created (an idempotent duplicate)."""
-        self.r.srem(self.open_key(tenant), job_id)
+        self.r.srem(self.open_key(tenant, self.keys.shard(job_id)), job_id)
 
     def open_jobs(self, tenant: str, *, force: bool = False) -> int:
         """Open jobs after a (throttled, unless ``force``) prune."""
-        keys = [self.open_key(tenant), self.stats_key(tenant), f"{self.base(tenant)}:prune"]
-        args = [self.job_prefix, "1" if force else "0", PRUNE_EVERY_MS]
+        return sum(self._open_in(tenant, k, force) for k in range(self.keys.shards))
+
+    def _open_in(self, tenant: str, shard: int, force: bool) -> int:
+        keys = self._shard_keys(tenant, shard)[:3]
+        args = [self.keys.job_prefix(shard), "1" if force else "0", PRUNE_EVERY_MS]
         return int(self._count(keys=keys, args=args))
 
     # ----------------------------------------------------------------------------- files
@@ -223,24 +248,50 @@ class TenantBook:
         """Count a new file against the tenant's ``limit`` bytes (0: none): (admitted, bytes)."""
         keys = [self.files_key(tenant), self.index]
         ok, total = self._admit_file(
-            keys=keys, args=[file_key_prefix, file_id, size, limit, tenant]
+            keys=keys, args=[self._drop_gone(tenant, file_key_prefix), file_id, size, limit, tenant]
         )
         return bool(ok), int(total)
 
     def file_bytes(self, tenant: str, file_key_prefix: str) -> int:
         keys = [self.files_key(tenant), self.index]
-        return int(self._admit_file(keys=keys, args=[file_key_prefix, "", "", 0, tenant])[1])
+        pfx = self._drop_gone(tenant, file_key_prefix)
+        return int(self._admit_file(keys=keys, args=[pfx, "", "", 0, tenant])[1])
+
+    def _drop_gone(self, tenant: str, file_key_prefix: str) -> str:
+        """The file key prefix ADMIT_FILE checks entries against; on a cluster (a slot per
+        file) the entries of deleted files are dropped here instead and "" is returned, which
+        tells ADMIT_FILE not to check."""
+        if not self.keys.cluster:
+            return file_key_prefix
+        key = self.files_key(tenant)
+        ids = self.r.hkeys(key)
+        pipe = self.r.pipeline(transaction=False)
+        for fid in ids:
+            pipe.exists(self.keys.file(fid))
+        gone = [fid for fid, n in zip(ids, pipe.execute() if ids else [], strict=True) if not n]
+        if gone:
+            self.r.hdel(key, *gone)
+        return ""
 
     # ----------------------------------------------------------------------------- usage
     def tenants(self) -> list[str]:
-        return sorted(self.r.smembers(self.index))
+        names: set[str] = set()
+        for k in range(self.keys.shards):
+            names |= self.r.smembers(self.keys.tenants_in(k))
+        return sorted(names)
 
     def usage(self, tenant: str, file_key_prefix: str) -> TenantUsage:
         """Counts of one tenant. Prunes its open set first, unthrottled: an ended job still in
         the set is neither queued nor running, so a skipped prune would leave it out of
         ``jobs_finished`` (the prune costs about what the status reads below cost anyway)."""
         self.open_jobs(tenant, force=True)
-        ids = sorted(self.r.smembers(self.open_key(tenant)))
+        ids: list[str] = []
+        tokens = jobs = 0
+        for k in range(self.keys.shards):
+            ids += sorted(self.r.smembers(self.open_key(tenant, k)))
+            stats = self.r.hgetall(self.stats_key(tenant, k))
+            tokens += int(stats.get("tokens", 0))
+            jobs += int(stats.get("jobs", 0))
         pipe = self.r.pipeline(transaction=False)
         for jid in ids:
             pipe.hmget(self.keys.job(jid), "status", "tokens_generated")
@@ -248,12 +299,11 @@ class TenantBook:
         queued = sum(1 for s, _ in rows if s == "queued")
         running = sum(1 for s, _ in rows if s in ("running", "cancelling"))
         live_tokens = sum(int(t or 0) for s, t in rows if s in ("running", "cancelling"))
-        stats = self.r.hgetall(self.stats_key(tenant))
         return TenantUsage(
             tenant=tenant,
             queued=queued,
             running=running,
             file_bytes=self.file_bytes(tenant, file_key_prefix),
-            tokens_generated=int(stats.get("tokens", 0)) + live_tokens,
-            jobs_finished=int(stats.get("jobs", 0)),
+            tokens_generated=tokens + live_tokens,
+            jobs_finished=jobs,
         )

@@ -21,6 +21,7 @@ from pydantic import ValidationError
 
 from pagedserve import package_version, settings
 from pagedserve.keys import PREFIX_ENV
+from pagedserve.redis_url import CLUSTER_SCHEME
 from pagedserve.redis_util import URL_ENV
 from pagedserve.settings import add_options, build, opt
 
@@ -105,7 +106,11 @@ class Connection:
 
     redis_url: str = field(
         default=settings.REDIS_URL.default,
-        metadata=opt("Redis URL", env=settings.REDIS_URL, flag="--redis"),
+        metadata=opt(
+            "Redis URL: redis://, rediss://, unix://, redis+sentinel://, redis+cluster://",
+            env=settings.REDIS_URL,
+            flag="--redis",
+        ),
     )
     prefix: str = field(
         default=settings.PREFIX.default, metadata=opt("Redis key prefix", env=settings.PREFIX)
@@ -127,6 +132,11 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
     ap.add_argument("--version", action="version", version=f"pagedserve {package_version()}")
     add_options(ap, Connection)
+    ap.add_argument(
+        CLUSTER_FLAG,
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="a Redis Cluster: the same as --redis redis+cluster://HOST:PORT,... (any subcommand)",
+    )
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser("env", help="the environment variables read, with defaults and current values")
 
@@ -394,8 +404,27 @@ def _split_delegated(argv: list[str]) -> tuple[dict[str, str], str, list[str]] |
     return None
 
 
+#: ``--redis-cluster NODES`` anywhere on the line stands for ``--redis redis+cluster://NODES``.
+CLUSTER_FLAG = "--redis-cluster"
+
+
+def cluster_flag(argv: Sequence[str]) -> list[str]:
+    """``argv`` with every ``--redis-cluster NODES`` spelled ``--redis redis+cluster://NODES``
+    (delegated subcommands, worker and api included, then read it as their ``--redis``)."""
+    out: list[str] = []
+    it = iter(argv)
+    for tok in it:
+        if tok == CLUSTER_FLAG:
+            out += ["--redis", f"{CLUSTER_SCHEME}://{next(it, '')}"]
+        elif tok.startswith(CLUSTER_FLAG + "="):
+            out += ["--redis", f"{CLUSTER_SCHEME}://{tok.partition('=')[2]}"]
+        else:
+            out.append(tok)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = cluster_flag(sys.argv[1:] if argv is None else argv)
     delegated = _split_delegated(argv)
     if delegated is not None:
         opts, module_name, rest = delegated

@@ -22,4 +22,5 @@ pytest_plugins = [
     "tests.fixtures.workers",
     "tests.fixtures.browser",
     "tests.fixtures.sentinel",
+    "tests.fixtures.cluster",
 ]

@@ -15,7 +15,8 @@ def inject(store: JobStore, raw_request: str) -> str:
     store.ensure_groups()
     store.load_scripts()
     pipe = store.r.pipeline(transaction=True)
-    pipe.evalsha(store.script("enqueue").sha, len(keys), *keys, *args)
+    jid = args[0]  # the store's pick (an id in the right shard on a cluster)
+    pipe.execute_command("EVALSHA", store.script("enqueue").sha, len(keys), *keys, *args)
     pipe.hset(store.keys.job(jid), "request", raw_request)
     pipe.execute()
     return jid

@@ -399,3 +399,15 @@ def test_bench_quick_run(model_dir: Path) -> None:
         assert got["succeeded"] == line["setup"]["jobs"]
         assert 0.0 <= got["hit_rate"] <= got["ideal_hit_rate"] + 1e-9 <= 1.0 + 1e-9
     assert line["killed_run"] is None
+
+
+def test_several_shards_admit_in_arrival_order(caplog: pytest.LogCaptureFixture) -> None:
+    """Prefix admission reads one bulk stream: over several cluster shards a worker admits in
+    arrival order, and says so."""
+    from pagedserve.jobstore.admission import admission_for_shards
+
+    assert admission_for_shards("prefix", 1) == "prefix"
+    assert admission_for_shards("fcfs", 3) == "fcfs"
+    with caplog.at_level("WARNING", logger="pagedserve.worker"):
+        assert admission_for_shards("prefix", 3) == "fcfs"
+    assert "3" in caplog.text and "fcfs" in caplog.text

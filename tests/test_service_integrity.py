@@ -78,7 +78,7 @@ def test_a_job_whose_writes_raise_fails_and_the_worker_goes_on(
     keys, args = store.enqueue_args(broken, JobRequest(prompt="x", params=SHORT))  # type: ignore[arg-type]
     pipe = store.r.pipeline(transaction=True)
     pipe.set(store.keys.events(broken), "not a stream")
-    pipe.evalsha(store.script("enqueue").sha, len(keys), *keys, *args)
+    pipe.execute_command("EVALSHA", store.script("enqueue").sha, len(keys), *keys, *args)
     store.load_scripts()
     pipe.execute()
     # A queued entry whose job key is not a hash: its lease raises WRONGTYPE.

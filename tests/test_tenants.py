@@ -265,7 +265,7 @@ def test_file_bytes_limit_per_tenant(redis_url: str) -> None:
     # The refused file was not kept; deleting a file (any code path) frees its bytes.
     r = connect(redis_url)
     assert len(r.keys("ps:file:*")) == 3
-    r.delete(f"ps:file:{ids[0]}")
+    r.delete(JobStore(redis_url).keys.file(ids[0]))
     assert upload(client, A, text).status_code == 200
 
 

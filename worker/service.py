@@ -37,6 +37,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from pagedserve.jobstore.admission import admission_for_shards
 from pagedserve.keys import PREFIX_ENV
 from pagedserve.store import Finish, JobStore, Lease, Progress, StepResult, WriteError
 from pagedserve.telemetry import WorkerHeartbeat
@@ -83,6 +84,7 @@ class Worker:
     def __init__(self, engine: Engine, store: JobStore, cfg: ServiceConfig) -> None:
         self.engine = engine
         self.store = store
+        cfg = replace(cfg, admission=admission_for_shards(cfg.admission, store.keys.shards))
         self.cfg = cfg
         self.jobs: dict[str, JobState] = {}
         self.unsent: list[Finish] = []  # this iteration's final writes, for the writer

@@ -27,7 +27,11 @@ class ServiceConfig:
     worker_id: str = field(default="", metadata=opt("consumer name (default: host-pid)"))
     redis_url: str = field(
         default=settings.REDIS_URL.default,
-        metadata=opt("Redis URL", env=settings.REDIS_URL, flag="--redis"),
+        metadata=opt(
+            "Redis URL: redis://, rediss://, unix://, redis+sentinel://, redis+cluster://",
+            env=settings.REDIS_URL,
+            flag="--redis",
+        ),
     )
     prefix: str = field(
         default=settings.PREFIX.default, metadata=opt("Redis key prefix", env=settings.PREFIX)

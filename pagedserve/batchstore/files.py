@@ -20,7 +20,8 @@ from pagedserve.batchstore.models import (
     _new_id,
 )
 from pagedserve.keys import DEFAULT_PREFIX, Keys
-from pagedserve.tenants import ADMIT_FILE, DEFAULT_TENANT, QuotaExceeded
+from pagedserve.redis_url import is_cluster
+from pagedserve.tenants import DEFAULT_TENANT, QuotaExceeded, TenantBook
 
 log = logging.getLogger("pagedserve.batches")
 
@@ -34,12 +35,15 @@ class FileStore:
         prefix: str = DEFAULT_PREFIX,
         max_bytes: int = DEFAULT_MAX_FILE_BYTES,
         ttl_s: int = DEFAULT_FILE_TTL_S,
+        *,
+        keys: Keys | None = None,
     ):
         self.r = r
-        self.keys = Keys(prefix)
+        self.keys = keys or Keys(prefix, cluster=is_cluster(r))
+        #: A cluster: the listing (another slot) is written after the file's own transaction.
+        self.cluster = self.keys.cluster
         self.max_bytes = max_bytes
         self.ttl_s = ttl_s
-        self._admit_file = r.register_script(ADMIT_FILE)
 
     def key(self, file_id: str) -> str:
         return self.keys.file(file_id)
@@ -58,14 +62,21 @@ class FileStore:
         )
 
     def _register(self, pipe: redis.client.Pipeline, f: FileObject, tenant: str | None) -> None:
-        """Queue the meta (and owner), the listing entry and the TTL of ``f`` on ``pipe``."""
+        """Queue the meta (and owner), the listing entry and the TTL of ``f`` on ``pipe``, then
+        run it (on a cluster the listing entry follows the file's own transaction: a file is
+        listed once it exists)."""
         key = self.key(f.id)
         pipe.hset(key, "meta", f.model_dump_json())
         if tenant is not None:
             pipe.hset(key, "tenant", tenant)
         pipe.expireat(key, f.expires_at or 0)
         pipe.expireat(self.keys.file_chunks(f.id), f.expires_at or 0)
-        pipe.zadd(self.keys.files, {f.id: self.r.incr(self.keys.files_seq)})
+        seq = self.r.incr(self.keys.files_seq)
+        if not self.cluster:
+            pipe.zadd(self.keys.files, {f.id: seq})
+        pipe.execute()
+        if self.cluster:
+            self.r.zadd(self.keys.files, {f.id: seq})
 
     def create(
         self,
@@ -92,7 +103,6 @@ class FileStore:
         pipe = self.r.pipeline(transaction=True)
         pipe.hset(self.key(obj.id), "content", text)
         self._register(pipe, obj, tenant)
-        pipe.execute()
         if tenant is not None:
             self._count_bytes(obj, tenant, tenant_max_bytes)
         return obj
@@ -125,7 +135,6 @@ class FileStore:
         obj = self._new(size, filename, purpose, expires_after_s).model_copy(update={"id": file_id})
         pipe = self.r.pipeline(transaction=True)
         self._register(pipe, obj, tenant)
-        pipe.execute()
         if tenant is not None:
             self._count_bytes(obj, tenant, 0)
         return obj
@@ -133,9 +142,8 @@ class FileStore:
     def _count_bytes(self, obj: FileObject, tenant: str, limit: int) -> None:
         """Count a file just written among its tenant's bytes (after it exists: the count drops
         entries whose file is gone); over ``limit`` (0: none) it is deleted again."""
-        keys = [self.keys.tenant_files(tenant), self.keys.tenants]
-        ok, total = self._admit_file(
-            keys=keys, args=[self.key(""), obj.id, obj.bytes, limit, tenant]
+        ok, total = TenantBook(self.r, self.keys).admit_file(
+            tenant, self.key(""), obj.id, obj.bytes, limit
         )
         if not ok:
             self.delete(obj.id)
@@ -175,6 +183,10 @@ class FileStore:
 
     def delete(self, file_id: str) -> bool:
         """Delete a file; ``False`` if there was none."""
+        if self.cluster:  # the file's keys share a slot; the listing is another
+            deleted = self.r.delete(self.key(file_id), self.keys.file_chunks(file_id))
+            self.r.zrem(self.keys.files, file_id)
+            return bool(deleted)
         pipe = self.r.pipeline(transaction=True)
         pipe.delete(self.key(file_id), self.keys.file_chunks(file_id))
         pipe.zrem(self.keys.files, file_id)

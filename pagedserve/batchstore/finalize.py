@@ -169,7 +169,7 @@ class Finalizing(BatchRecords):
 
     def _finalize_one(self, bid: str) -> bool:
         b = self.get(bid)
-        if b is None:
+        if b is None or b.status in FINAL_STATUSES:  # gone, or ended and not yet unlisted
             self.r.srem(self.active_key, bid)
             return False
         if b.status == "finalizing":  # a finalize interrupted midway: redo it

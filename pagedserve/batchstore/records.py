@@ -53,7 +53,7 @@ class BatchRecords:
         self.jobs = store if isinstance(store, JobStore) else JobStore(store, prefix=prefix)
         self.r = self.jobs.r
         self.keys = self.jobs.keys
-        self.files = FileStore(self.r, self.keys.prefix, max_file_bytes)
+        self.files = FileStore(self.r, self.keys.prefix, max_file_bytes, keys=self.keys)
         self.known_models = (
             list(known_models) if known_models is not None else _known_models_from_env()
         )
@@ -119,6 +119,16 @@ class BatchRecords:
         pipe.hset(self.keys.batch(b.id), mapping=counts)
         if tenant is not None:
             pipe.hset(self.keys.batch(b.id), "tenant", tenant)
+        if self.jobs.cluster:
+            # The indexes are other slots: written once the batch exists (a process dying in
+            # between leaves an unlisted batch that never started; its caller saw no answer).
+            pipe.execute()
+            if tenant is not None:
+                self.r.zadd(self.keys.tenant_batches(tenant), {b.id: seq})
+            self.r.zadd(self.index_key, {b.id: seq})
+            self.r.sadd(self.active_key, b.id)
+            return b
+        if tenant is not None:
             pipe.zadd(self.keys.tenant_batches(tenant), {b.id: seq})
         pipe.zadd(self.index_key, {b.id: seq})
         pipe.sadd(self.active_key, b.id)
@@ -211,12 +221,16 @@ class BatchRecords:
                         pipe.reset()
                         return b
                     pipe.hset(key, mapping=self._fields(b))
-                    if b.status in FINAL_STATUSES:
+                    final = b.status in FINAL_STATUSES
+                    if final and not self.jobs.cluster:
                         pipe.srem(self.active_key, batch_id)
+                    if final:
                         ttl = int(h.get("output_ttl") or DEFAULT_FILE_TTL_S)
                         for k in self.keys.batch_all(batch_id):
                             pipe.expire(k, ttl)
                     pipe.execute()
+                    if final and self.jobs.cluster:  # another slot (finalize_ready retries it)
+                        self.r.srem(self.active_key, batch_id)
                     return self.get(batch_id)
                 except redis.WatchError:
                     continue

@@ -12,6 +12,7 @@ exactly-once results, fencing and reclaim after a crash are unchanged.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,8 @@ from typing import Any
 from pagedserve.jobstore.base import StoreBase
 from pagedserve.jobstore.records import Entry, Lease
 from pagedserve.keys import GROUP, WINDOW_CONSUMER
+
+log = logging.getLogger("pagedserve.worker")
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,19 @@ class Admitted:
     waiting: int = 0  # window entries left that this worker could take with more seats
 
 
+def admission_for_shards(admission: str, shards: int) -> str:
+    """The admission a worker runs: prefix admission reads one bulk stream, so over several
+    shards (a Redis Cluster with PAGEDSERVE_SHARDS > 1) it is arrival order (``fcfs``)."""
+    if admission == "prefix" and shards != 1:
+        log.warning(
+            "prefix-aware admission needs one shard; this Redis Cluster has %d: "
+            "admitting in arrival order (fcfs). Set PAGEDSERVE_SHARDS=1 for prefix admission",
+            shards,
+        )
+        return "fcfs"
+    return admission
+
+
 class Admission(StoreBase):
     """Prefix-aware bulk admission and affinities (the worker calls these)."""
 
@@ -59,6 +75,8 @@ class Admission(StoreBase):
         (one pipelined round trip)."""
         if max_jobs <= 0:
             return Admitted([], {}, [], [], [])
+        if self.keys.shards != 1:  # workers fall back to fcfs there (admission_for_shards)
+            raise ValueError("prefix admission reads one bulk stream: it needs one shard")
         self.ensure_groups()
         stream = self.keys.stream("bulk")
         args: list[Any] = [

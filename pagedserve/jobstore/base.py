@@ -29,6 +29,7 @@ _SCRIPTS = (
     "cancel",
     "pop_cancels",
     "batch_line",
+    "batch_count",
     "admission",
     "affinity",
 )
@@ -49,6 +50,9 @@ class StoreBase:
 
     r: redis.Redis
     keys: Keys
+    #: Whether ``r`` is a Redis Cluster client: every script call then touches one slot, and the
+    #: steps that span slots (a batch's line when its job ends) run apart (see ``add_batch_lines``).
+    cluster: bool
     retention_s: int
     lease_ms: int
     max_deliveries: int
@@ -61,25 +65,50 @@ class StoreBase:
     _pending_cursor: dict[tuple[str, str], str | None]
     _stash: dict[str, list[Entry]]
     _autoclaim_cursor: dict[str, str]
+    _block_turn: int
 
     def ensure_groups(self) -> None:
         """Create the priority streams and their consumer group (idempotent)."""
         if self._groups_ready:
             return
-        for prio in PRIORITIES:
+        if self.cluster:
+            self.check_shards()
+        for stream in self.all_streams():
             try:
-                self.r.xgroup_create(self.keys.stream(prio), GROUP, id="0", mkstream=True)
+                self.r.xgroup_create(stream, GROUP, id="0", mkstream=True)
             except redis.ResponseError as e:
                 if "BUSYGROUP" not in str(e):
                     raise
         self._groups_ready = True
+
+    def check_shards(self) -> None:
+        """Raise ``ValueError`` when this cluster's deployment was started with another shard
+        count (jobs of the shards a process does not know would never run)."""
+        key, n = self.keys.shard_count, self.keys.shards
+        self.r.set(key, n, nx=True)
+        got = int(self.r.get(key) or n)
+        if got != n:
+            raise ValueError(
+                f"this Redis Cluster's deployment (prefix {self.keys.prefix!r}) uses {got} "
+                f"shards; this process was given {n} (PAGEDSERVE_SHARDS must be the same in "
+                "every process)"
+            )
+
+    def all_streams(self, priorities: Sequence[str] = PRIORITIES) -> list[str]:
+        """Every shard's stream of each priority, priority-major (interactive first)."""
+        return [self.keys.stream(p, k) for p in priorities for k in range(self.keys.shards)]
 
     def script(self, name: str) -> Script:
         return self._scripts[name]
 
     def load_scripts(self) -> None:
         """SCRIPT LOAD every script (after a server restart flushed the script cache), in one
-        MULTI so that no other client sees the cache half loaded."""
+        MULTI so that no other client sees the cache half loaded (on a cluster, SCRIPT LOAD goes
+        to every master, one script after another)."""
+        if self.cluster:
+            for sc in self._scripts.values():
+                self.r.script_load(sc.script)
+            return
         pipe = self.r.pipeline(transaction=True)
         for sc in self._scripts.values():
             pipe.script_load(sc.script)
@@ -113,28 +142,37 @@ class StoreBase:
         return replies
 
     def _send(self, calls: Sequence[Call], transaction: bool) -> list[Any]:
+        if transaction and self.cluster:
+            return self._send_per_slot(calls)
+        return self._pipe(calls, transaction)
+
+    def _pipe(self, calls: Sequence[Call], transaction: bool) -> list[Any]:
         pipe = self.r.pipeline(transaction=transaction)
         for name, keys, args in calls:
-            pipe.evalsha(self._scripts[name].sha, len(keys), *keys, *args)
+            # execute_command: a cluster pipeline blocks its evalsha method, not the command
+            # (routed by its first key).
+            pipe.execute_command("EVALSHA", self._scripts[name].sha, len(keys), *keys, *args)
         return list(pipe.execute(raise_on_error=False))
+
+    def _send_per_slot(self, calls: Sequence[Call]) -> list[Any]:
+        """Cluster: a MULTI/EXEC spans one slot, so the calls run as one transaction per slot
+        (a job's calls, e.g. its enqueue and its tenant tag, share its shard's slot)."""
+        by_slot: dict[int, list[int]] = {}
+        for i, (_, keys, _) in enumerate(calls):
+            by_slot.setdefault(self.r.keyslot(keys[0]), []).append(i)  # type: ignore[attr-defined]
+        replies: list[Any] = [None] * len(calls)
+        for idx in by_slot.values():
+            part = [calls[i] for i in idx]
+            one = self._pipe(part, len(idx) > 1)
+            for i, x in zip(idx, one, strict=True):
+                replies[i] = x
+        return replies
 
     def add_batch_lines(self, adds: Sequence[LineAdd]) -> int:
         """Add batch lines of jobs that ended without their worker's final write (one round
         trip); each is added only for a member of its batch, once. Returns how many were (an
         error of one batch is logged, not raised)."""
-        calls: list[Call] = []
-        for a in adds:
-            bid = a.ref.batch_id
-            keys = [
-                self.keys.job(a.job_id),
-                self.keys.batch(bid),
-                self.keys.batch_members(bid),
-                self.keys.batch_counted(bid),
-                self.keys.batch_output(bid) if a.ok else self.keys.batch_errors(bid),
-            ]
-            flags = ["1" if a.allow_missing else "0", "1" if a.allow_running else "0"]
-            field_ = "completed" if a.ok else "failed"
-            calls.append(("batch_line", keys, [a.job_id, bid, a.line, field_, *flags]))
+        calls = [self._batch_line_call(a) for a in adds]
         added = 0
         for a, reply in zip(adds, self._exec(calls, raise_errors=False), strict=True):
             if isinstance(reply, Exception):
@@ -146,3 +184,24 @@ class StoreBase:
             else:
                 added += int(reply)
         return added
+
+    def _batch_line_call(self, a: LineAdd) -> Call:
+        """``batch_line.lua`` (the job's status and batch fields checked in the same step), or
+        on a cluster ``batch_count.lua``, which touches the batch's slot only: the caller read
+        the job's end and its batch ref from the job record first (a second, idempotent step)."""
+        bid = a.ref.batch_id
+        keys = [
+            self.keys.batch(bid),
+            self.keys.batch_members(bid),
+            self.keys.batch_counted(bid),
+            self.keys.batch_output(bid) if a.ok else self.keys.batch_errors(bid),
+        ]
+        field_ = "completed" if a.ok else "failed"
+        if self.cluster:
+            return ("batch_count", keys, [a.job_id, a.line, field_])
+        flags = ["1" if a.allow_missing else "0", "1" if a.allow_running else "0"]
+        return (
+            "batch_line",
+            [self.keys.job(a.job_id), *keys],
+            [a.job_id, bid, a.line, field_, *flags],
+        )

@@ -4,6 +4,7 @@ records and statuses, cancel.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 
 from pydantic import ValidationError
@@ -37,14 +38,24 @@ class ClientSide(StoreBase):
 
         Without ``batch`` the request is a client's: reserved names raise ``ValueError``. With
         ``batch`` (the fan-out) the job is a member of that batch, idempotent per custom id
-        under a key no client can name (``Keys.batch_idem``)."""
+        under a key no client can name (``Keys.batch_idem``).
+
+        On a cluster with several shards, a job with an idempotency key must live in that key's
+        shard: ``job_id`` is then replaced by a fresh id that lands there (ARGV[1]; the script
+        returns the id it stored, which callers use)."""
         if batch is None:
             check_client_request(request)
             idem = request.idempotency_key
             idem_key = self.keys.idem(idem or "")
+            shard = self.keys.idem_shard(idem) if idem else self.keys.shard(job_id)
         else:
-            idem = idem_key = self.keys.batch_idem(batch.batch_id, batch.idempotency_digest())
-        keys = [self.keys.job(job_id), self.keys.stream(request.priority), idem_key]
+            digest = batch.idempotency_digest()
+            idem = idem_key = self.keys.batch_idem(batch.batch_id, digest)
+            shard = self.keys.batch_idem_shard(batch.batch_id, digest)
+        job_id = self._id_in_shard(job_id, shard)
+        if not idem:  # unused by the script, but declared: a key of the job's slot
+            idem_key = self.keys.job(job_id)
+        keys = [self.keys.job(job_id), self.keys.stream(request.priority, shard), idem_key]
         args = [
             job_id,
             request.model_dump_json(exclude_none=True),
@@ -53,9 +64,17 @@ class ClientSide(StoreBase):
             sig.sig if (sig := prefix_signature(request)) is not None else "",
         ]
         if batch is not None:
-            keys.append(self.keys.batch_members(batch.batch_id))
+            if not self.cluster:  # on a cluster the fan-out adds members apart (another slot)
+                keys.append(self.keys.batch_members(batch.batch_id))
             args += [batch.batch_id, batch.custom_id, batch.url, batch.model]
         return keys, args
+
+    def _id_in_shard(self, job_id: str, shard: int) -> str:
+        """``job_id`` when it is in ``shard``, else fresh ids drawn until one is (about
+        ``shards`` draws)."""
+        while self.keys.shard(job_id) != shard:
+            job_id = uuid.uuid4().hex
+        return job_id
 
     def enqueue(
         self,
@@ -85,13 +104,29 @@ class ClientSide(StoreBase):
         refs: Sequence[BatchRef | None] = batches if batches is not None else [None] * len(jobs)
         calls: list[Call] = []
         for (jid, req), ref in zip(jobs, refs, strict=True):
-            calls.append(("enqueue", *self.enqueue_args(jid, req, batch=ref)))
+            keys, args = self.enqueue_args(jid, req, batch=ref)
+            calls.append(("enqueue", keys, args))
             if tenant is not None:
-                tag_args = [jid, tenant, self.keys.job("")]
+                jid = args[0]
+                tag_args = [jid, tenant, self.tenants.job_prefix_of(jid)]
                 calls.append(("tag_tenant", self.tenants.tag_keys(jid, tenant), tag_args))
         replies = self._exec(calls, transaction=tenant is not None)
         step = 1 if tenant is None else 2
-        return [(got, bool(created)) for got, created in replies[::step]]
+        out = [(got, bool(created)) for got, created in replies[::step]]
+        if self.cluster and batches is not None:
+            self._add_members(refs, [got for got, _ in out])
+        return out
+
+    def _add_members(self, refs: Sequence[BatchRef | None], job_ids: Sequence[str]) -> None:
+        """Cluster: the second step of a batch job's enqueue, in the batch's slot. A fan-out
+        that dies before it is run again to the end (``BatchStore._begin_fan_out``), enqueueing
+        nothing twice (the idempotency keys) and adding the members then."""
+        by_batch: dict[str, list[str]] = {}
+        for ref, jid in zip(refs, job_ids, strict=True):
+            if ref is not None:
+                by_batch.setdefault(ref.batch_id, []).append(jid)
+        for bid, ids in by_batch.items():
+            self.r.sadd(self.keys.batch_members(bid), *ids)
 
     def owner(self, job_id: str) -> tuple[bool, str | None]:
         """(whether the job exists, its tenant) in one round trip."""
@@ -136,11 +171,7 @@ class ClientSide(StoreBase):
         here gets its ``code`` error line; with ``count_running`` (a batch expiring) a running
         one too, so that the batch's files are complete at once (its worker's later cancelled
         write then finds it counted and adds nothing)."""
-        args = [self.keys.cancel_prefix, self.retention_s, self.events_maxlen]
-        calls: list[Call] = [
-            ("cancel", [self.keys.job(j), self.keys.events(j)], args) for j in job_ids
-        ]
-        replies = self._exec(calls)
+        replies = self._cancel_calls(job_ids)
         adds: list[LineAdd] = []
         for jid, (status, ended, *fields) in zip(job_ids, replies, strict=True):
             ref = BatchRef.from_fields(fields)
@@ -150,6 +181,32 @@ class ClientSide(StoreBase):
                 adds.append(LineAdd(jid, ref, ok, line, allow_running=running))
         self.add_batch_lines(adds)
         return [JobStatus(reply[0]) for reply in replies]
+
+    def _cancel_calls(self, job_ids: Sequence[str], tries: int = 10) -> list[list[object]]:
+        """Run ``cancel.lua`` on every job: read each owner, then cancel naming that owner's
+        cancel set (the script declares every key); a job whose owner changed in between (a
+        reclaim) is read again and retried."""
+        replies: list[list[object]] = [["moved", 0]] * len(job_ids)
+        todo = list(range(len(job_ids)))
+        for _ in range(tries):
+            pipe = self.r.pipeline(transaction=False)
+            for i in todo:
+                pipe.hget(self.keys.job(job_ids[i]), "worker")
+            # A key of the wrong type reads as no owner: the script then answers its error.
+            owners = [None if isinstance(x, Exception) else x
+                      for x in pipe.execute(raise_on_error=False)]  # fmt: skip
+            calls: list[Call] = []
+            for i, owner in zip(todo, owners, strict=True):
+                j = job_ids[i]
+                cset = self.keys.cancel(owner or "", self.keys.shard(j))
+                args = [owner or "", self.retention_s, self.events_maxlen]
+                calls.append(("cancel", [self.keys.job(j), self.keys.events(j), cset], args))
+            for i, reply in zip(todo, self._exec(calls), strict=True):
+                replies[i] = reply
+            todo = [i for i in todo if replies[i][0] == "moved"]
+            if not todo:
+                return replies
+        raise RuntimeError(f"cancel: the owners of {len(todo)} jobs kept changing")
 
     @staticmethod
     def _record(h: dict[str, str]) -> JobRecord | None:

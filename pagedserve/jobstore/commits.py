@@ -40,7 +40,7 @@ class Commits(StoreBase):
         error = fin.error or ("failed" if fin.status == "failed" else "")
         keys = [
             self.keys.job(lease.job_id),
-            self.keys.stream(lease.priority),
+            self.keys.job_stream(lease.job_id, lease.priority),
             self.keys.events(lease.job_id),
         ]
         args = [
@@ -54,7 +54,7 @@ class Commits(StoreBase):
             self.events_maxlen,
         ]
         ref = lease.batch
-        if ref is not None:
+        if ref is not None and not self.cluster:  # on a cluster: a second step (commit_step)
             ok, line = batch_line(ref, lease.job_id, fin.status, fin.result, fin.error)
             bid = ref.batch_id
             keys += [
@@ -101,9 +101,11 @@ class Commits(StoreBase):
             self._add_call(calls, sent, out, p.lease, None, lambda p=p: self._progress_call(p))
         for f in finished:
             self._add_call(calls, sent, out, f.lease, f, lambda f=f: self._finish_call(f))
-        if consumer is not None:
-            calls.append(("pop_cancels", [self.keys.cancel(consumer)], []))
+        drains = self.keys.shards if consumer is not None else 0
+        for k in range(drains):
+            calls.append(("pop_cancels", [self.keys.cancel(consumer or "", k)], []))
         replies = self._exec(calls, raise_errors=False)
+        ended: list[Finish] = []
         for (lease, fin), reply in zip(sent, replies, strict=False):
             jid = lease.job_id
             if isinstance(reply, Exception):
@@ -116,14 +118,27 @@ class Commits(StoreBase):
                 if jid not in out.lost:
                     out.lost.append(jid)
                     log.warning("write for job %s refused: lease lost", jid)
-        if consumer is not None:
-            if isinstance(replies[-1], Exception):
+            elif fin is not None and lease.batch is not None and self.cluster:
+                ended.append(fin)
+        for reply in replies[len(replies) - drains :] if drains else []:
+            if isinstance(reply, Exception):
                 # The writes above went through: a broken cancel set (a key of the wrong type)
                 # must not make the caller send them again, nor stop its writes.
-                log.warning("cancel set of %s not drained: %s", consumer, replies[-1])
+                log.warning("cancel set of %s not drained: %s", consumer, reply)
             else:
-                out.cancels = set(replies[-1][0] or ())
+                out.cancels |= set(reply[0] or ())
+        if ended:
+            self.add_batch_lines([self._line_of(f) for f in ended])
         return out
+
+    @staticmethod
+    def _line_of(fin: Finish) -> LineAdd:
+        """Cluster: a finished batch job's line, added right after its final write (another
+        slot); should this process die in between, the batch's reconcile adds it."""
+        ref = fin.lease.batch
+        assert ref is not None
+        ok, line = batch_line(ref, fin.lease.job_id, fin.status, fin.result, fin.error)
+        return LineAdd(fin.lease.job_id, ref, ok, line)
 
     @staticmethod
     def _add_call(
@@ -173,7 +188,7 @@ class Commits(StoreBase):
         status (queued, or cancelled if a cancel was pending), or ``None`` if the lease is lost."""
         keys = [
             self.keys.job(lease.job_id),
-            self.keys.stream(lease.priority),
+            self.keys.job_stream(lease.job_id, lease.priority),
             self.keys.events(lease.job_id),
         ]
         args = [lease.fence, GROUP, lease.job_id, self.retention_s, self.events_maxlen]

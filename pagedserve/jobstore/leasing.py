@@ -30,6 +30,9 @@ from pagedserve.schemas import (
 
 log = logging.getLogger("pagedserve.store")
 
+#: With several shards, the longest a blocking claim waits on one shard's streams.
+BLOCK_SLICE_MS = 100
+
 
 class Leasing(StoreBase):
     """Claim, reclaim and renew leases (what workers call to take and keep work)."""
@@ -52,22 +55,48 @@ class Leasing(StoreBase):
         self.ensure_groups()
         entries = self._take_stash(consumer, max_jobs)
         entries += self._own_pending(consumer, max_jobs - len(entries))
-        for prio in priorities:
+        for stream in self._rotated(self.all_streams(priorities)):
             want = max_jobs - len(entries)
             if want <= 0:
                 break
-            reply = self.r.xreadgroup(GROUP, consumer, {self.keys.stream(prio): ">"}, count=want)
+            reply = self.r.xreadgroup(GROUP, consumer, {stream: ">"}, count=want)
             entries += flatten_entries(reply)
         if not entries and block_ms > 0:
-            # COUNT applies per stream, so this may deliver one entry more than asked for: the
-            # extra one stays in our pending list and is leased first next time.
-            streams = {self.keys.stream(p): ">" for p in priorities}
-            reply = self.r.xreadgroup(GROUP, consumer, streams, count=1, block=block_ms)
-            got = flatten_entries(reply)
-            entries, extra = got[:max_jobs], got[max_jobs:]
-            if extra:
-                self._stash.setdefault(consumer, []).extend(extra)
+            entries = self._block_read(consumer, max_jobs, block_ms, priorities)
         return self._lease_entries(consumer, entries)
+
+    def _rotated(self, streams: list[str]) -> list[str]:
+        """``streams`` (priority-major) with each priority's shards in a turn that moves on at
+        every claim, so that no shard's work waits behind another's."""
+        n = self.keys.shards
+        if n == 1:
+            return streams
+        self._block_turn = (self._block_turn + 1) % n
+        t = self._block_turn
+        return [
+            s
+            for i in range(0, len(streams), n)
+            for s in streams[i + t : i + n] + streams[i : i + t]
+        ]
+
+    def _block_read(
+        self, consumer: str, max_jobs: int, block_ms: int, priorities: Sequence[Priority]
+    ) -> list[Entry]:
+        """Wait up to ``block_ms`` for new work. A blocking read spans one slot: one shard's
+        streams (each claim waits on the next shard, at most ``BLOCK_SLICE_MS`` while other
+        shards exist, so work arriving on them waits no longer than that)."""
+        shard = self._block_turn % self.keys.shards
+        if self.keys.shards > 1:
+            block_ms = min(block_ms, BLOCK_SLICE_MS)
+        # COUNT applies per stream, so this may deliver one entry more than asked for: the
+        # extra one stays in our pending list and is leased first next time.
+        streams = {self.keys.stream(p, shard): ">" for p in priorities}
+        reply = self.r.xreadgroup(GROUP, consumer, streams, count=1, block=block_ms)
+        got = flatten_entries(reply)
+        entries, extra = got[:max_jobs], got[max_jobs:]
+        if extra:
+            self._stash.setdefault(consumer, []).extend(extra)
+        return entries
 
     def reclaim(self, consumer: str, min_idle_ms: int, max_jobs: int) -> list[Lease]:
         """Take over up to ``max_jobs`` entries idle for ``min_idle_ms`` (their worker stopped
@@ -76,8 +105,7 @@ class Leasing(StoreBase):
             return []
         self.ensure_groups()
         entries: list[Entry] = []
-        for prio in PRIORITIES:
-            stream = self.keys.stream(prio)
+        for stream in self.all_streams():
             start = self._autoclaim_cursor.get(stream, "0-0")
             while len(entries) < max_jobs:
                 reply = self.r.xautoclaim(
@@ -106,8 +134,7 @@ class Leasing(StoreBase):
         """This consumer's pending entries, read once after a (re)start of this store object:
         afterwards they are jobs this process itself runs."""
         out: list[Entry] = []
-        for prio in PRIORITIES:
-            stream = self.keys.stream(prio)
+        for stream in self.all_streams():
             cursor = self._pending_cursor.get((consumer, stream), "0")
             while cursor is not None and len(out) < n:
                 reply = self.r.xreadgroup(GROUP, consumer, {stream: cursor}, count=n - len(out))
@@ -128,8 +155,15 @@ class Leasing(StoreBase):
             if job_id is None:  # the entry's content was deleted: nothing to run
                 self.r.xack(stream, GROUP, eid)
                 continue
+            shard = self._stream_shard(stream)
+            if self.keys.shard(job_id) != shard:
+                # Not written by enqueue (its jobs live in their stream's shard): on a cluster
+                # its record is in another slot than the entry, which no script may span.
+                self._dead_letter_unreadable(stream, eid, job_id, ValueError("wrong shard"))
+                continue
             live.append((stream, eid, job_id))
-            keys = [self.keys.job(job_id), stream, self.keys.dead, self.keys.events(job_id)]
+            dead = self.keys.dead_in(shard)
+            keys = [self.keys.job(job_id), stream, dead, self.keys.events(job_id)]
             args = [
                 consumer,
                 GROUP,
@@ -215,7 +249,8 @@ class Leasing(StoreBase):
         log.warning("job %s dead-lettered: %s", job_id, reason)
         self.stats.dead_lettered += 1
         pipe = self.r.pipeline(transaction=True)
-        pipe.xadd(self.keys.dead, {"job": job_id, "stream": stream, "entry": eid,
+        dead = self.keys.dead_in(self._stream_shard(stream))
+        pipe.xadd(dead, {"job": job_id, "stream": stream, "entry": eid,
                                    "reason": reason})  # fmt: skip
         pipe.xack(stream, GROUP, eid)
         pipe.execute()
@@ -232,8 +267,15 @@ class Leasing(StoreBase):
         the pending re-read would then lease them a second time.
         """
         return all(
-            self._pending_cursor.get((consumer, self.keys.stream(p)), "0") is None
-            for p in PRIORITIES
+            self._pending_cursor.get((consumer, stream), "0") is None
+            for stream in self.all_streams()
+        )
+
+    def _stream_shard(self, stream: str) -> int:
+        """The shard of one of our stream keys (``ps:{sK}:jobs:<priority>``)."""
+        n = self.keys.shards
+        return next(
+            (k for k in range(n) for p in PRIORITIES if self.keys.stream(p, k) == stream), 0
         )
 
     def renew(self, leases: Sequence[Lease]) -> list[str]:
@@ -242,14 +284,17 @@ class Leasing(StoreBase):
         them without writing anything more."""
         if not leases:
             return []
-        by_consumer: dict[str, list[Lease]] = {}
+        # One call per consumer and shard (a script touches one slot).
+        by_consumer: dict[tuple[str, int], list[Lease]] = {}
         for lease in leases:
-            by_consumer.setdefault(lease.consumer, []).append(lease)
+            by_consumer.setdefault((lease.consumer, self.keys.shard(lease.job_id)), []).append(
+                lease
+            )
         calls: list[Call] = []
         groups = list(by_consumer.values())
         for group in groups:
             keys = [self.keys.job(x.job_id) for x in group]
-            keys += [self.keys.stream(x.priority) for x in group]
+            keys += [self.keys.job_stream(x.job_id, x.priority) for x in group]
             args: list[Any] = [group[0].consumer, GROUP, self.lease_ms]
             args += [x.fence for x in group] + [x.entry_id for x in group]
             calls.append(("renew", keys, args))

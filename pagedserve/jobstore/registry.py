@@ -51,12 +51,15 @@ class WorkerRegistry(StoreBase):
         self.ensure_groups()
         out: dict[str, int] = {}
         for prio in PRIORITIES:
-            groups = self.r.xinfo_groups(self.keys.stream(prio))
-            g = next((g for g in groups if g["name"] == GROUP), None)
-            lag = g.get("lag") if g else None
-            out[prio] = int(lag) if lag is not None else self.r.xlen(self.keys.stream(prio))
+            out[prio] = sum(self._lag(self.keys.stream(prio, k)) for k in range(self.keys.shards))
         out["bulk"] += self.window_length()
         return out
+
+    def _lag(self, stream: str) -> int:
+        groups = self.r.xinfo_groups(stream)
+        g = next((g for g in groups if g["name"] == GROUP), None)
+        lag = g.get("lag") if g else None
+        return int(lag) if lag is not None else int(self.r.xlen(stream))
 
     def window_length(self) -> int:
         """Bulk entries read ahead into the admission window and not yet taken by a worker."""
@@ -67,4 +70,10 @@ class WorkerRegistry(StoreBase):
         return 0
 
     def dead_letters(self, count: int = 100) -> list[dict[str, str]]:
-        return [dict(fields, id=eid) for eid, fields in self.r.xrange(self.keys.dead, count=count)]
+        """The oldest ``count`` dead-lettered entries (of every shard, oldest first)."""
+        out = [
+            dict(fields, id=eid)
+            for k in range(self.keys.shards)
+            for eid, fields in self.r.xrange(self.keys.dead_in(k), count=count)
+        ]
+        return sorted(out, key=lambda d: tuple(int(x) for x in d["id"].split("-")))[:count]

@@ -1,8 +1,11 @@
 -- A client's cancel: a queued job is cancelled at once (a worker skips its entry at claim); a
 -- running job becomes 'cancelling' and goes into its owner's cancel set.
--- KEYS: job hash, events stream
--- ARGV: cancel-set key prefix, retention s, events maxlen
--- Returns {status after the call (or 'not_found'), 1 if the job ended here else 0,
+-- KEYS: job hash, events stream, the cancel set of the owner the caller read (any key of the
+--       job's slot when it read none)
+-- ARGV: that owner ('' for none), retention s, events maxlen
+-- The owner is read before the call so that the script declares every key it touches; a running
+-- job whose owner is another answers 'moved' (nothing changed): read it again and retry.
+-- Returns {status after the call (or 'not_found' | 'moved'), 1 if the job ended here else 0,
 -- <batch fields>} (see lease.lua): pagedserve.store then adds a batch job's line.
 local job, events = KEYS[1], KEYS[2]
 local cur = redis.call('HMGET', job, 'status', 'worker', 'id')
@@ -16,10 +19,12 @@ if status == 'queued' then
   return {'cancelled', 1, b[1], b[2], b[3], b[4]}
 end
 if status == 'running' then
+  if cur[2] ~= ARGV[1] then
+    return {'moved', 0}
+  end
   redis.call('HSET', job, 'status', 'cancelling')
-  local set = ARGV[1] .. cur[2]
-  redis.call('SADD', set, cur[3])
-  redis.call('EXPIRE', set, ARGV[2])
+  redis.call('SADD', KEYS[3], cur[3])
+  redis.call('EXPIRE', KEYS[3], ARGV[2])
   status = 'cancelling'
 end
 return {status, 0, b[1], b[2], b[3], b[4]}
