@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -40,9 +41,11 @@ def run_until(w: Worker, cond, timeout: float = 30.0) -> None:  # type: ignore[n
         loop_once(w)
 
 
-def test_tokenizing_runs_off_the_step_loop(redis_url: str, engine: Engine) -> None:
+def test_tokenizing_runs_off_the_step_loop(
+    make_worker: Any, redis_url: str, engine: Engine
+) -> None:
     store = JobStore(redis_url, lease_ms=60_000)
-    w = Worker(engine, store, ServiceConfig(worker_id="w", redis_url=redis_url))
+    w = make_worker(engine, store, ServiceConfig(worker_id="w", redis_url=redis_url))
     # Tokenization of text is held until the test lets it go: a stand-in for a very long prompt.
     release, started = threading.Event(), threading.Event()
     real = w.pretok.tokenize
@@ -79,10 +82,12 @@ def test_tokenizing_runs_off_the_step_loop(redis_url: str, engine: Engine) -> No
     assert rec.result.prompt_tokens == len(done[0].prompt_token_ids)
 
 
-def test_cancelled_while_tokenizing_and_template_errors(redis_url: str, engine: Engine) -> None:
+def test_cancelled_while_tokenizing_and_template_errors(
+    make_worker: Any, redis_url: str, engine: Engine
+) -> None:
     store = JobStore(redis_url, lease_ms=60_000)
     # An id of its own: no other worker of the suite may drain this worker's cancel set.
-    w = Worker(engine, store, ServiceConfig(worker_id="pretok-cancel", redis_url=redis_url))
+    w = make_worker(engine, store, ServiceConfig(worker_id="pretok-cancel", redis_url=redis_url))
     release = threading.Event()
     real = w.pretok.tokenize
     w.pretok.tokenize = lambda p, m: (release.wait(30), real(p, m))[1]
@@ -104,9 +109,9 @@ def test_cancelled_while_tokenizing_and_template_errors(redis_url: str, engine: 
     assert rec.error == "rejected: RuntimeError: no vocab"
 
 
-def test_heartbeat_carries_the_context(redis_url: str, engine: Engine) -> None:
+def test_heartbeat_carries_the_context(make_worker: Any, redis_url: str, engine: Engine) -> None:
     store = JobStore(redis_url)
-    w = Worker(engine, store, ServiceConfig(worker_id="w", redis_url=redis_url))
+    w = make_worker(engine, store, ServiceConfig(worker_id="w", redis_url=redis_url))
     w._heartbeat()
     hb = store.workers()["w"]
     assert hb["max_model_len"] == 512 == engine.max_model_len

@@ -6,6 +6,7 @@ for later while the loop goes on, and one job's refused write fails that job onl
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 
@@ -187,11 +188,11 @@ def loop_until(w: Worker, cond, timeout: float = 60.0) -> None:  # type: ignore[
 
 
 def test_redis_outage_keeps_the_loop_stepping_and_loses_nothing(
-    redis_factory: RedisFactory, engine: Engine
+    make_worker: Any, redis_factory: RedisFactory, engine: Engine
 ) -> None:
     server = redis_factory(aof=True)
     store = JobStore(server.url, lease_ms=60_000)
-    w = Worker(engine, store, ServiceConfig(worker_id="w", redis_url=server.url))
+    w = make_worker(engine, store, ServiceConfig(worker_id="w", redis_url=server.url))
     client = Client(server.url)
     ids = client.submit_many([[5, 6, 7, i] for i in range(6)], LONG)
     loop_until(w, lambda: len(w.jobs) == 6 and engine.stats().steps > 3)
@@ -218,10 +219,10 @@ def test_redis_outage_keeps_the_loop_stepping_and_loses_nothing(
 
 
 def test_loop_drops_a_job_only_for_its_own_fence_and_fails_refused_writes(
-    redis_url: str, engine: Engine
+    make_worker: Any, redis_url: str, engine: Engine
 ) -> None:
     store = JobStore(redis_url, lease_ms=60_000)
-    w = Worker(engine, store, ServiceConfig(worker_id="w", redis_url=redis_url))
+    w = make_worker(engine, store, ServiceConfig(worker_id="w", redis_url=redis_url))
     client = Client(redis_url)
     jid, other = client.submit([5, 6, 7], LONG), client.submit([8, 9], LONG)
     loop_until(w, lambda: jid in w.jobs and other in w.jobs)

@@ -4,6 +4,7 @@ and the API's read of it (a malformed heartbeat is logged and not counted, never
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
 
@@ -11,10 +12,12 @@ from api.state import context_limits_of, parse_heartbeats
 from pagedserve.store import JobStore
 from pagedserve.telemetry import EngineTelemetry, WorkerHeartbeat
 from worker import LLM
-from worker.service import ServiceConfig, Worker
+from worker.service import ServiceConfig
 
 
-def test_engine_telemetry_is_typed_and_reaches_the_api(make_tiny_model, redis_url: str) -> None:
+def test_engine_telemetry_is_typed_and_reaches_the_api(
+    make_worker: Any, make_tiny_model, redis_url: str
+) -> None:
     llm = LLM(make_tiny_model("llama"), num_kv_blocks=32)
     engine = llm.engine
     engine.add_request("a", [1, 2, 3, 4, 5], None)
@@ -24,7 +27,7 @@ def test_engine_telemetry_is_typed_and_reaches_the_api(make_tiny_model, redis_ur
     assert tel.pool is not None and tel.pool.num_blocks == len(tel.pool.block_states) == 32
     assert tel.pool.in_use == tel.pool.block_states.count("1") + tel.pool.block_states.count("3")
     store = JobStore(redis_url)
-    w = Worker(engine, store, ServiceConfig(worker_id="w", redis_url=redis_url))
+    w = make_worker(engine, store, ServiceConfig(worker_id="w", redis_url=redis_url))
     w._heartbeat()
     (hb,) = parse_heartbeats(store.workers()).values()
     assert hb.pool == tel.pool and hb.steps == 1 and hb.max_model_len == engine.max_model_len

@@ -366,6 +366,11 @@ class Worker:
         ttl = max(5, int(self.cfg.heartbeat_s * 10))
         self._redis(self.store.heartbeat, self.cfg.worker_id, hb.model_dump(mode="json"), ttl)
 
+    def close(self, timeout: float) -> bool:
+        """Stop the writer thread after what it holds is written (retrying a down Redis for up
+        to ``timeout`` s); ``True`` if everything was written. :meth:`run` ends with it."""
+        return self.writer.close(timeout)
+
     # ----------------------------------------------------------------- main loop
     def run(self) -> int:
         self.guard.sync_clock()
@@ -386,7 +391,7 @@ class Worker:
                     time.sleep(self.guard.wait_s())
                 elif self.draining:  # only the writer has work left: wait for it, do not spin
                     self.writer.flush(0.05)
-        if not self.writer.close(self.cfg.writer_drain_s):  # a down Redis: retried that long
+        if not self.close(self.cfg.writer_drain_s):  # a down Redis: retried that long
             log.warning("exiting with %d unsent results", self.writer.unsent_finals())
         with contextlib.suppress(*REDIS_DOWN):
             self.store.r.delete(self.store.keys.worker(self.cfg.worker_id))
