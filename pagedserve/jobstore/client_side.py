@@ -183,24 +183,25 @@ class ClientSide(StoreBase):
         return [JobStatus(reply[0]) for reply in replies]
 
     def _cancel_calls(self, job_ids: Sequence[str], tries: int = 10) -> list[list[object]]:
-        """Run ``cancel.lua`` on every job: read each owner, then cancel naming that owner's
-        cancel set (the script declares every key); a job whose owner changed in between (a
-        reclaim) is read again and retried."""
+        """Run ``cancel.lua`` on every job: read each owner and idempotency key, then cancel
+        naming that owner's cancel set and that key (the script declares every key); a job whose
+        owner changed in between (a reclaim) is read again and retried."""
         replies: list[list[object]] = [["moved", 0]] * len(job_ids)
         todo = list(range(len(job_ids)))
         for _ in range(tries):
             pipe = self.r.pipeline(transaction=False)
             for i in todo:
-                pipe.hget(self.keys.job(job_ids[i]), "worker")
+                pipe.hmget(self.keys.job(job_ids[i]), "worker", "idem_key")
             # A key of the wrong type reads as no owner: the script then answers its error.
-            owners = [None if isinstance(x, Exception) else x
-                      for x in pipe.execute(raise_on_error=False)]  # fmt: skip
+            reads = [(None, None) if isinstance(x, Exception) else x
+                     for x in pipe.execute(raise_on_error=False)]  # fmt: skip
             calls: list[Call] = []
-            for i, owner in zip(todo, owners, strict=True):
+            for i, (owner, idem) in zip(todo, reads, strict=True):
                 j = job_ids[i]
+                job = self.keys.job(j)
                 cset = self.keys.cancel(owner or "", self.keys.shard(j))
                 args = [owner or "", self.retention_s, self.events_maxlen]
-                calls.append(("cancel", [self.keys.job(j), self.keys.events(j), cset], args))
+                calls.append(("cancel", [job, self.keys.events(j), cset, idem or job], args))
             for i, reply in zip(todo, self._exec(calls), strict=True):
                 replies[i] = reply
             todo = [i for i in todo if replies[i][0] == "moved"]

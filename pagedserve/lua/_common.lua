@@ -14,19 +14,37 @@ local function is_terminal(s)
   return s == 'succeeded' or s == 'failed' or s == 'cancelled'
 end
 
+-- Whether `idem` (a declared key) names the job's idempotency key: the record's server-written
+-- idem_key field, or, for a job without one, the job key itself (a harmless key of its slot, so
+-- that the KEYS count stays fixed). A script that may end a job checks this before any write:
+-- finish() expires the idempotency key, and a script touches only keys it declares.
+local function idem_matches(job, idem)
+  local ik = redis.call('HGET', job, 'idem_key')
+  if ik then
+    return ik == idem
+  end
+  return idem == job
+end
+
 -- Ends a job: final status and time, the end event for streamers, and the retention TTL on
--- everything the job owns (record, events, idempotency key). The events stream is a convenience
--- for followers: an error there (a key of the wrong type) never stops the job's final write.
-local function finish(job, events, status, retention_s, events_maxlen)
+-- everything the job owns (record, events, idempotency key `idem`: see idem_matches, checked by
+-- the caller). The events stream is a convenience for followers: an error there (a key of the
+-- wrong type) never stops the job's final write.
+local function finish(job, events, idem, status, retention_s, events_maxlen)
   redis.call('HSET', job, 'status', status, 'finished_at', now_s())
   redis.call('HDEL', job, 'lease_expiry')
   redis.pcall('XADD', events, 'MAXLEN', '~', events_maxlen, '*', 'type', 'end', 'status', status)
   redis.call('EXPIRE', job, retention_s)
   redis.pcall('EXPIRE', events, retention_s)
-  local ik = redis.call('HGET', job, 'idem_key')
-  if ik then
-    redis.pcall('EXPIRE', ik, retention_s)
+  if idem ~= job then
+    redis.pcall('EXPIRE', idem, retention_s)
   end
+end
+
+-- The error a worker's write answers when it was not given the job's idempotency key (its
+-- lease names it): nothing was written.
+local function idem_error(job)
+  return redis.error_reply('ERR idempotency key of ' .. job .. ' not the one given')
 end
 
 -- True when `fence` is the job's current lease and the job is still owned by a worker.
