@@ -102,14 +102,17 @@ class ClientSide(StoreBase):
         enqueue is followed by its tenant tag, all in one MULTI/EXEC."""
         self.ensure_groups()
         refs: Sequence[BatchRef | None] = batches if batches is not None else [None] * len(jobs)
+        pairs = zip(jobs, refs, strict=True)
+        enqueues = [self.enqueue_args(jid, req, batch=ref) for (jid, req), ref in pairs]
+        samples: dict[str, list[str]] = {}
+        if tenant is not None:  # the open-set members each tag prunes (declared in its KEYS)
+            samples = self.tenants.samples(tenant, [args[0] for _, args in enqueues])
         calls: list[Call] = []
-        for (jid, req), ref in zip(jobs, refs, strict=True):
-            keys, args = self.enqueue_args(jid, req, batch=ref)
+        for keys, args in enqueues:
             calls.append(("enqueue", keys, args))
             if tenant is not None:
                 jid = args[0]
-                tag_args = [jid, tenant, self.tenants.job_prefix_of(jid)]
-                calls.append(("tag_tenant", self.tenants.tag_keys(jid, tenant), tag_args))
+                calls.append(("tag_tenant", *self.tenants.tag_call(jid, tenant, samples[jid])))
         replies = self._exec(calls, transaction=tenant is not None)
         step = 1 if tenant is None else 2
         out = [(got, bool(created)) for got, created in replies[::step]]
