@@ -66,13 +66,19 @@ end
 
 -- Raises before any write when a batch key has the wrong type, so that a script that calls this
 -- first either does everything or nothing.
+local function wrong_type(key, want)
+  local t = redis.call('TYPE', key).ok
+  if t ~= 'none' and t ~= want then
+    return 'WRONGTYPE batch key ' .. key .. ' is a ' .. t
+  end
+  return nil
+end
+
 local function check_batch_keys(bhash, members, counted, lines)
-  local want = {{bhash, 'hash'}, {members, 'set'}, {counted, 'set'}, {lines, 'list'}}
-  for _, kt in ipairs(want) do
-    local t = redis.call('TYPE', kt[1]).ok
-    if t ~= 'none' and t ~= kt[2] then
-      return redis.error_reply('WRONGTYPE batch key ' .. kt[1] .. ' is a ' .. t)
-    end
+  local why = wrong_type(bhash, 'hash') or wrong_type(members, 'set') or
+    wrong_type(counted, 'set') or wrong_type(lines, 'list')
+  if why then
+    return redis.error_reply(why)
   end
   return nil
 end
@@ -114,16 +120,16 @@ local function affinity_of(value)
   return owner, tonumber(served)
 end
 
--- Calls redis `cmd` with `head`, a chunk of `list` and `tail` (optional), chunk by chunk (Lua's
--- unpack is bounded); the table replies are concatenated.
-local function call_chunked(cmd, head, list, tail)
+-- Calls redis `cmd` with `key` (its one key), `head`, a chunk of `list` and `tail` (optional),
+-- chunk by chunk (Lua's unpack is bounded); the table replies are concatenated.
+local function call_chunked(cmd, key, head, list, tail)
   local out = {}
   for i = 1, #list, 1000 do
     local args = {}
     for _, h in ipairs(head) do args[#args + 1] = h end
     for j = i, math.min(i + 999, #list) do args[#args + 1] = list[j] end
     for _, t in ipairs(tail or {}) do args[#args + 1] = t end
-    local r = redis.call(cmd, unpack(args))
+    local r = redis.call(cmd, key, unpack(args))
     if type(r) == 'table' then
       for _, x in ipairs(r) do out[#out + 1] = x end
     end
