@@ -275,10 +275,6 @@ class Keys:
         """Base of one tenant's keys of one shard (the job accounting: beside its jobs)."""
         return f"{self._in(shard)}:tenant:{tenant}"
 
-    def job_prefix(self, shard: int) -> str:
-        """What a job id is appended to for its record's key, in one shard (Lua builds keys)."""
-        return f"{self._in(shard)}:job:"
-
     def tenant_batches(self, tenant: str) -> str:
         """One tenant's batches, like ``{prefix}:batches`` (the newest-first list)."""
         return f"{self.tenant(tenant)}:batches"

@@ -21,6 +21,9 @@ without a record is removed uncounted: expired before any prune saw it end, or r
 created (its tag adds it back). Between full prunes the count can only over-count (ended jobs not
 yet removed), so a limit errs on refusing (429 with Retry-After); the one way past it is a prune
 that drops another request's reservation in the instant between its admission and its enqueue.
+Every script declares every key it touches: the members a prune looks at are read first
+(``SRANDMEMBER``, ``SMEMBERS``) and their job keys passed in KEYS; a member that left the set
+meanwhile is skipped (its ``SREM`` answers 0, and only the ``SREM`` that removes an id counts it).
 
 File bytes are the sum of the ``files`` hash after dropping entries whose file key no longer exists,
 so deleting a file (by any code path) frees its bytes without a counter to keep in step.
@@ -29,6 +32,7 @@ so deleting a file (by any code path) frees its bytes without a counter to keep 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,9 +51,11 @@ ADMIN_TENANT = "admin"
 #: status inside Redis: about 0.3 ms per 1,000 open jobs).
 PRUNE_EVERY_MS = 100
 
+#: Open-set members pruned per script call (each member's job key is one of its KEYS).
+PRUNE_CHUNK = 500
+
 _PRUNE = """
-local function drop(open, stats, jobpfx, id)
-  local job = jobpfx .. id
+local function drop(open, stats, job, id)
   local s = redis.call('HGET', job, 'status')
   if not s then
     redis.call('SREM', open, id)
@@ -62,76 +68,61 @@ local function drop(open, stats, jobpfx, id)
 end
 """
 
-#: KEYS: job hash, open set, stats hash, tenants set; ARGV: job id, tenant, job key prefix.
-#: Tags a job just created (its ``id`` field is ours; an idempotent duplicate is left alone).
+#: KEYS: job hash, open set, stats hash, tenants set, then the job hashes of sampled open-set
+#: members; ARGV: job id, tenant, then the sampled ids. Tags a job just created (its ``id``
+#: field is ours; an idempotent duplicate is left alone) and prunes the sampled members.
 TAG_JOB = (
     _PRUNE
     + """
 if redis.call('HGET', KEYS[1], 'id') ~= ARGV[1] then return 0 end
 if redis.call('HSETNX', KEYS[1], 'tenant', ARGV[2]) == 0 then return 0 end
 redis.call('SADD', KEYS[4], ARGV[2])
-for _, id in ipairs(redis.call('SRANDMEMBER', KEYS[2], 2)) do
-  drop(KEYS[2], KEYS[3], ARGV[3], id)
+for i = 5, #KEYS do
+  drop(KEYS[2], KEYS[3], KEYS[i], ARGV[i - 2])
 end
 redis.call('SADD', KEYS[2], ARGV[1])
 return 1
 """
 )
 
-#: KEYS: open set, stats hash, prune throttle; ARGV: job key prefix, force ('1': ignore throttle).
-#: Returns the open count after the prune (or without one, when throttled).
+#: KEYS: open set, stats hash, then the job hashes of open-set members; ARGV: their ids.
+#: Prunes those members; returns the open count after.
 COUNT_OPEN = (
     _PRUNE
     + """
-if ARGV[2] == '1' or redis.call('SET', KEYS[3], '1', 'NX', 'PX', ARGV[3]) then
-  for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-    drop(KEYS[1], KEYS[2], ARGV[1], id)
-  end
+for i = 3, #KEYS do
+  drop(KEYS[1], KEYS[2], KEYS[i], ARGV[i - 2])
 end
 return redis.call('SCARD', KEYS[1])
 """
 )
 
-#: KEYS: open set, stats hash, prune throttle, tenants set; ARGV: job key prefix, limit, job id,
-#: tenant, throttle ms. Reserves ``job id`` in the open set if the tenant has fewer than ``limit``
-#: open jobs (pruned first when it looks full). Returns {admitted 0/1, open count}.
-ADMIT_JOB = (
-    _PRUNE
-    + """
-local limit = tonumber(ARGV[2])
+#: KEYS: open set, tenants set; ARGV: limit, job id, tenant. Reserves ``job id`` in the open set
+#: if the tenant has fewer than ``limit`` open jobs. Returns {admitted 0/1, open count}; the
+#: caller prunes (throttled) and asks again when it looks full.
+ADMIT_JOB = """
 local n = redis.call('SCARD', KEYS[1])
-if n >= limit and redis.call('SET', KEYS[3], '1', 'NX', 'PX', ARGV[5]) then
-  for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-    drop(KEYS[1], KEYS[2], ARGV[1], id)
-  end
-  n = redis.call('SCARD', KEYS[1])
-end
-if n >= limit then return {0, n} end
-redis.call('SADD', KEYS[4], ARGV[4])
-redis.call('SADD', KEYS[1], ARGV[3])
+if n >= tonumber(ARGV[1]) then return {0, n} end
+redis.call('SADD', KEYS[2], ARGV[3])
+redis.call('SADD', KEYS[1], ARGV[2])
 return {1, n + 1}
 """
-)
 
-#: KEYS: files hash, tenants set; ARGV: file key prefix, file id, bytes ('' to only sum), limit
-#: (0: none), tenant. Drops entries of deleted files (unless the prefix is '': on a cluster the
-#: caller did), then admits the new file if the sum stays
-#: within the limit. Returns {admitted 0/1, bytes stored (with the new file when admitted)}.
+#: KEYS: files hash, tenants set; ARGV: file id, bytes ('' to only sum), limit (0: none),
+#: tenant. Sums the files hash (the caller dropped the entries of deleted files: each file key is
+#: its own, on a cluster in a slot of its own), then admits the new file if the sum stays within
+#: the limit. Returns {admitted 0/1, bytes stored (with the new file when admitted)}.
 ADMIT_FILE = """
 local total = 0
 local h = redis.call('HGETALL', KEYS[1])
-for i = 1, #h, 2 do
-  if ARGV[1] ~= '' and redis.call('EXISTS', ARGV[1] .. h[i]) == 0 then
-    redis.call('HDEL', KEYS[1], h[i])
-  else
-    total = total + tonumber(h[i + 1])
-  end
+for i = 2, #h, 2 do
+  total = total + tonumber(h[i])
 end
-if ARGV[3] == '' then return {1, total} end
-local size, limit = tonumber(ARGV[3]), tonumber(ARGV[4])
+if ARGV[2] == '' then return {1, total} end
+local size, limit = tonumber(ARGV[2]), tonumber(ARGV[3])
 if limit > 0 and total + size > limit then return {0, total} end
-redis.call('SADD', KEYS[2], ARGV[5])
-redis.call('HSET', KEYS[1], ARGV[2], size)
+redis.call('SADD', KEYS[2], ARGV[4])
+redis.call('HSET', KEYS[1], ARGV[1], size)
 return {1, total + size}
 """
 
@@ -177,7 +168,6 @@ class TenantBook:
     def __init__(self, r: redis.Redis, keys: Keys) -> None:
         self.r = r
         self.keys = keys
-        self.tag_job = r.register_script(TAG_JOB)
         self._count = r.register_script(COUNT_OPEN)
         self._admit_job = r.register_script(ADMIT_JOB)
         self._admit_file = r.register_script(ADMIT_FILE)
@@ -208,26 +198,41 @@ class TenantBook:
             self.keys.tenants_in(shard),
         ]
 
-    def tag_keys(self, job_id: str, tenant: str) -> list[str]:
-        """KEYS of :data:`TAG_JOB` for a job of ``tenant``."""
+    def tag_call(self, job_id: str, tenant: str, sample: Sequence[str]) -> tuple[list, list]:
+        """KEYS and ARGV of :data:`TAG_JOB` for a job of ``tenant``, pruning the ``sample``
+        of its shard's open set (:meth:`samples`)."""
         k = self.keys.shard(job_id)
-        return [self.keys.job(job_id), *self._shard_keys(tenant, k)[:2], self.keys.tenants_in(k)]
+        keys = [self.keys.job(job_id), *self._shard_keys(tenant, k)[:2], self.keys.tenants_in(k)]
+        return keys + [self.keys.job(j) for j in sample], [job_id, tenant, *sample]
 
-    def job_prefix_of(self, job_id: str) -> str:
-        """ARGV of the scripts for the job records of ``job_id``'s shard."""
-        return self.keys.job_prefix(self.keys.shard(job_id))
-
-    @property
-    def job_prefix(self) -> str:
-        return self.keys.job_prefix(0)
+    def samples(self, tenant: str, job_ids: Sequence[str]) -> dict[str, list[str]]:
+        """Two random open-set members (distinct ones, where the set has them) for each of
+        ``job_ids`` to prune at its tag, read from each job's shard in one round trip."""
+        by_shard: dict[int, list[str]] = {}
+        for jid in job_ids:
+            by_shard.setdefault(self.keys.shard(jid), []).append(jid)
+        pipe = self.r.pipeline(transaction=False)
+        for k, ids in by_shard.items():
+            pipe.srandmember(self.open_key(tenant, k), 2 * len(ids))
+        out: dict[str, list[str]] = {}
+        for ids, got in zip(by_shard.values(), pipe.execute(), strict=True):
+            members = sorted(got or ())
+            for i, jid in enumerate(ids):
+                out[jid] = members[2 * i : 2 * i + 2]
+        return out
 
     # ----------------------------------------------------------------------------- jobs
     def admit_job(self, tenant: str, job_id: str, limit: int) -> tuple[bool, int]:
-        """Reserve a place for ``job_id`` among the tenant's at most ``limit`` open jobs."""
+        """Reserve a place for ``job_id`` among the tenant's at most ``limit`` open jobs; when
+        the tenant looks full, its open set is pruned (throttled) and asked again."""
         k = self.keys.shard(job_id)
         others = sum(self._open_in(tenant, j, False) for j in range(self.keys.shards) if j != k)
-        args = [self.keys.job_prefix(k), limit - others, job_id, tenant, PRUNE_EVERY_MS]
-        ok, n = self._admit_job(keys=self._shard_keys(tenant, k), args=args)
+        keys = [self.open_key(tenant, k), self.keys.tenants_in(k)]
+        args = [limit - others, job_id, tenant]
+        ok, n = self._admit_job(keys=keys, args=args)
+        if not ok and self._prune_due(tenant, k):
+            self._prune(tenant, k)
+            ok, n = self._admit_job(keys=keys, args=args)
         return bool(ok), int(n) + others
 
     def unreserve(self, tenant: str, job_id: str) -> None:
@@ -239,39 +244,52 @@ class TenantBook:
         return sum(self._open_in(tenant, k, force) for k in range(self.keys.shards))
 
     def _open_in(self, tenant: str, shard: int, force: bool) -> int:
-        keys = self._shard_keys(tenant, shard)[:3]
-        args = [self.keys.job_prefix(shard), "1" if force else "0", PRUNE_EVERY_MS]
-        return int(self._count(keys=keys, args=args))
+        if force or self._prune_due(tenant, shard):
+            return self._prune(tenant, shard)
+        return int(self.r.scard(self.open_key(tenant, shard)))
+
+    def _prune_due(self, tenant: str, shard: int) -> bool:
+        """The throttle: true at most once per :data:`PRUNE_EVERY_MS` per tenant and shard."""
+        throttle = f"{self.base(tenant, shard)}:prune"
+        return bool(self.r.set(throttle, "1", nx=True, px=PRUNE_EVERY_MS))
+
+    def _prune(self, tenant: str, shard: int) -> int:
+        """Prune every member of one shard's open set (:data:`COUNT_OPEN`, its members read
+        first and declared); returns the open count after."""
+        head = self._shard_keys(tenant, shard)[:2]
+        ids = sorted(self.r.smembers(head[0]))
+        n = 0
+        for i in range(0, max(len(ids), 1), PRUNE_CHUNK):
+            part = ids[i : i + PRUNE_CHUNK]
+            n = int(self._count(keys=head + [self.keys.job(j) for j in part], args=part))
+        return n
 
     # ----------------------------------------------------------------------------- files
     def admit_file(self, tenant: str, file_key_prefix: str, file_id: str, size: int, limit: int):
         """Count a new file against the tenant's ``limit`` bytes (0: none): (admitted, bytes)."""
+        self._drop_gone(tenant, file_key_prefix)
         keys = [self.files_key(tenant), self.index]
-        ok, total = self._admit_file(
-            keys=keys, args=[self._drop_gone(tenant, file_key_prefix), file_id, size, limit, tenant]
-        )
+        ok, total = self._admit_file(keys=keys, args=[file_id, size, limit, tenant])
         return bool(ok), int(total)
 
     def file_bytes(self, tenant: str, file_key_prefix: str) -> int:
+        self._drop_gone(tenant, file_key_prefix)
         keys = [self.files_key(tenant), self.index]
-        pfx = self._drop_gone(tenant, file_key_prefix)
-        return int(self._admit_file(keys=keys, args=[pfx, "", "", 0, tenant])[1])
+        return int(self._admit_file(keys=keys, args=["", "", 0, tenant])[1])
 
-    def _drop_gone(self, tenant: str, file_key_prefix: str) -> str:
-        """The file key prefix ADMIT_FILE checks entries against; on a cluster (a slot per
-        file) the entries of deleted files are dropped here instead and "" is returned, which
-        tells ADMIT_FILE not to check."""
-        if not self.keys.cluster:
-            return file_key_prefix
+    def _drop_gone(self, tenant: str, file_key_prefix: str) -> None:
+        """Drop the entries of deleted files before ADMIT_FILE sums the hash. Done here, not
+        in the script: each file key is its own (on a cluster in a slot of its own), and a
+        script touches only the keys it declares. A file deleted between this and the sum is
+        still counted (an over-count: a limit errs on refusing; the next count drops it)."""
         key = self.files_key(tenant)
-        ids = self.r.hkeys(key)
+        ids = sorted(self.r.hkeys(key))
         pipe = self.r.pipeline(transaction=False)
         for fid in ids:
-            pipe.exists(self.keys.file(fid))
+            pipe.exists(self.keys.file(fid) if self.keys.cluster else file_key_prefix + fid)
         gone = [fid for fid, n in zip(ids, pipe.execute() if ids else [], strict=True) if not n]
         if gone:
             self.r.hdel(key, *gone)
-        return ""
 
     # ----------------------------------------------------------------------------- usage
     def tenants(self) -> list[str]:

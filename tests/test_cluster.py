@@ -151,7 +151,8 @@ def test_a_cancel_naming_a_stale_owner_changes_nothing(redis_cluster: Cluster) -
     store.enqueue("j", JobRequest(prompt="p"))
     (lease,) = store.claim("new-owner", 1)
     k = store.keys.shard("j")
-    keys = [store.keys.job("j"), store.keys.events("j"), store.keys.cancel("old-owner", k)]
+    job = store.keys.job("j")
+    keys = [job, store.keys.events("j"), store.keys.cancel("old-owner", k), job]
     args = ["old-owner", store.retention_s, store.events_maxlen]
     assert store._exec([("cancel", keys, args)])[0] == ["moved", 0]
     assert store.status("j") == JobStatus.RUNNING and not store.r.exists(keys[2])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 from pydantic import ValidationError
@@ -224,6 +225,50 @@ def test_retention_ttl_set_when_job_ends(store: JobStore) -> None:
     assert store.complete(lease, result("a", [1]))
     for key in (store.keys.job("j"), store.keys.events("j"), store.keys.idem("idem")):
         assert 0 < store.r.ttl(key) <= 100
+
+
+def test_every_end_of_a_job_expires_its_declared_idempotency_key(redis_url: str) -> None:
+    """The scripts that end a job declare its idempotency key (issue #19): finish and release
+    take it from the lease, cancel reads it with the owner, and lease, which learns it only from
+    the record, answers 'idem' (nothing changed) to a call naming another key and is called
+    again naming it. Each end puts the retention TTL on the key."""
+    s = JobStore(redis_url, retention_s=100, max_deliveries=1)
+    s.enqueue("q", req(idempotency_key="q"))
+    assert s.cancel("q") == JobStatus.CANCELLED  # queued
+    s.enqueue("d", req(idempotency_key="d"))
+    (ld,) = s.claim("A", 5)  # (q's entry is skipped)
+    assert ld.idem_key == s.keys.idem("d")
+    time.sleep(0.01)
+    assert s.reclaim("B", 1, 1) == [] and s.stats.dead_lettered == 1  # dead-lettered at lease
+    rec = s.get("d")
+    assert rec is not None and rec.status == JobStatus.FAILED and rec.deliveries == 2
+    s.enqueue("c", req(idempotency_key="c"))
+    assert len(s.claim("A", 1)) == 1
+    assert s.cancel("c") == JobStatus.CANCELLING
+    time.sleep(0.01)
+    assert s.reclaim("B", 1, 1) == []  # its owner died while it was being cancelled
+    s.enqueue("r", req(idempotency_key="r"))
+    (lr,) = s.claim("A", 1)
+    s.cancel("r")
+    assert s.release(lr) == JobStatus.CANCELLED
+    s.enqueue("f", req(idempotency_key="f"))
+    (lf,) = s.claim("A", 1)
+    # A final write naming another key (none: the job key) is refused before it writes.
+    step = s.commit_step(finished=[Finish(replace(lf, idem_key=None), "failed", error="x")])
+    assert len(step.errors) == 1 and s.status("f") == JobStatus.RUNNING
+    assert s.r.ttl(s.keys.idem("f")) == -1
+    assert s.fail(lf, "x")
+    assert s.statuses(list("qdcrf")) == [JobStatus.CANCELLED, JobStatus.FAILED] + [
+        JobStatus.CANCELLED
+    ] * 2 + [JobStatus.FAILED]
+    for k in "qdcrf":
+        assert 0 < s.r.ttl(s.keys.idem(k)) <= 100, k
+    # A cancel naming another key than the record's answers 'moved' and changes nothing.
+    s.enqueue("m", req(idempotency_key="m"))
+    job = s.keys.job("m")
+    keys = [job, s.keys.events("m"), s.keys.cancel("", s.keys.shard("m")), job]
+    assert s._exec([("cancel", keys, ["", s.retention_s, s.events_maxlen])])[0] == ["moved", 0]
+    assert s.status("m") == JobStatus.QUEUED and s.r.ttl(s.keys.idem("m")) == -1
 
 
 def test_scripts_reloaded_after_script_flush(store: JobStore) -> None:

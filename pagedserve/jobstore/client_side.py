@@ -102,14 +102,17 @@ class ClientSide(StoreBase):
         enqueue is followed by its tenant tag, all in one MULTI/EXEC."""
         self.ensure_groups()
         refs: Sequence[BatchRef | None] = batches if batches is not None else [None] * len(jobs)
+        pairs = zip(jobs, refs, strict=True)
+        enqueues = [self.enqueue_args(jid, req, batch=ref) for (jid, req), ref in pairs]
+        samples: dict[str, list[str]] = {}
+        if tenant is not None:  # the open-set members each tag prunes (declared in its KEYS)
+            samples = self.tenants.samples(tenant, [args[0] for _, args in enqueues])
         calls: list[Call] = []
-        for (jid, req), ref in zip(jobs, refs, strict=True):
-            keys, args = self.enqueue_args(jid, req, batch=ref)
+        for keys, args in enqueues:
             calls.append(("enqueue", keys, args))
             if tenant is not None:
                 jid = args[0]
-                tag_args = [jid, tenant, self.tenants.job_prefix_of(jid)]
-                calls.append(("tag_tenant", self.tenants.tag_keys(jid, tenant), tag_args))
+                calls.append(("tag_tenant", *self.tenants.tag_call(jid, tenant, samples[jid])))
         replies = self._exec(calls, transaction=tenant is not None)
         step = 1 if tenant is None else 2
         out = [(got, bool(created)) for got, created in replies[::step]]
@@ -183,24 +186,25 @@ class ClientSide(StoreBase):
         return [JobStatus(reply[0]) for reply in replies]
 
     def _cancel_calls(self, job_ids: Sequence[str], tries: int = 10) -> list[list[object]]:
-        """Run ``cancel.lua`` on every job: read each owner, then cancel naming that owner's
-        cancel set (the script declares every key); a job whose owner changed in between (a
-        reclaim) is read again and retried."""
+        """Run ``cancel.lua`` on every job: read each owner and idempotency key, then cancel
+        naming that owner's cancel set and that key (the script declares every key); a job whose
+        owner changed in between (a reclaim) is read again and retried."""
         replies: list[list[object]] = [["moved", 0]] * len(job_ids)
         todo = list(range(len(job_ids)))
         for _ in range(tries):
             pipe = self.r.pipeline(transaction=False)
             for i in todo:
-                pipe.hget(self.keys.job(job_ids[i]), "worker")
+                pipe.hmget(self.keys.job(job_ids[i]), "worker", "idem_key")
             # A key of the wrong type reads as no owner: the script then answers its error.
-            owners = [None if isinstance(x, Exception) else x
-                      for x in pipe.execute(raise_on_error=False)]  # fmt: skip
+            reads = [(None, None) if isinstance(x, Exception) else x
+                     for x in pipe.execute(raise_on_error=False)]  # fmt: skip
             calls: list[Call] = []
-            for i, owner in zip(todo, owners, strict=True):
+            for i, (owner, idem) in zip(todo, reads, strict=True):
                 j = job_ids[i]
+                job = self.keys.job(j)
                 cset = self.keys.cancel(owner or "", self.keys.shard(j))
                 args = [owner or "", self.retention_s, self.events_maxlen]
-                calls.append(("cancel", [self.keys.job(j), self.keys.events(j), cset], args))
+                calls.append(("cancel", [job, self.keys.events(j), cset, idem or job], args))
             for i, reply in zip(todo, self._exec(calls), strict=True):
                 replies[i] = reply
             todo = [i for i in todo if replies[i][0] == "moved"]

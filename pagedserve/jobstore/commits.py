@@ -42,6 +42,7 @@ class Commits(StoreBase):
             self.keys.job(lease.job_id),
             self.keys.job_stream(lease.job_id, lease.priority),
             self.keys.events(lease.job_id),
+            self._idem_key(lease),
         ]
         args = [
             lease.fence,
@@ -65,6 +66,11 @@ class Commits(StoreBase):
             ]
             args += [lease.job_id, bid, line, "completed" if ok else "failed"]
         return ("finish", keys, args)
+
+    def _idem_key(self, lease: Lease) -> str:
+        """The KEYS entry for the job's idempotency key: the lease's, or the job key itself
+        for none (``idem_matches`` in ``_common.lua``)."""
+        return lease.idem_key or self.keys.job(lease.job_id)
 
     def _progress_call(self, p: Progress) -> Call:
         lease = p.lease
@@ -190,6 +196,7 @@ class Commits(StoreBase):
             self.keys.job(lease.job_id),
             self.keys.job_stream(lease.job_id, lease.priority),
             self.keys.events(lease.job_id),
+            self._idem_key(lease),
         ]
         args = [lease.fence, GROUP, lease.job_id, self.retention_s, self.events_maxlen]
         out, *fields = self._exec([("release", keys, args)])[0]

@@ -148,37 +148,23 @@ class Leasing(StoreBase):
         return out
 
     def _lease_entries(self, consumer: str, entries: Sequence[Entry]) -> list[Lease]:
-        """Run the lease script on every entry in one pipelined round trip."""
-        calls: list[Call] = []
-        live: list[Entry] = []
+        """Run the lease script on every entry in one pipelined round trip (one more for the
+        rare job that ends at lease and has an idempotency key: see :meth:`_lease_replies`)."""
+        live: list[tuple[str, str, str]] = []
         for stream, eid, job_id in entries:
             if job_id is None:  # the entry's content was deleted: nothing to run
                 self.r.xack(stream, GROUP, eid)
                 continue
-            shard = self._stream_shard(stream)
-            if self.keys.shard(job_id) != shard:
+            if self.keys.shard(job_id) != self._stream_shard(stream):
                 # Not written by enqueue (its jobs live in their stream's shard): on a cluster
                 # its record is in another slot than the entry, which no script may span.
                 self._dead_letter_unreadable(stream, eid, job_id, ValueError("wrong shard"))
                 continue
             live.append((stream, eid, job_id))
-            dead = self.keys.dead_in(shard)
-            keys = [self.keys.job(job_id), stream, dead, self.keys.events(job_id)]
-            args = [
-                consumer,
-                GROUP,
-                eid,
-                self.lease_ms,
-                self.max_deliveries,
-                self.retention_s,
-                self.events_maxlen,
-            ]
-            calls.append(("lease", keys, args))
         leases: list[Lease] = []
         adds: list[LineAdd] = []
-        replies = self._exec(calls, raise_errors=False)
+        replies = self._lease_replies(consumer, live)
         for (stream, eid, job_id), reply in zip(live, replies, strict=True):
-            assert job_id is not None
             if isinstance(reply, Exception):
                 self._dead_letter_unreadable(stream, eid, job_id, reply)
                 continue
@@ -192,6 +178,45 @@ class Leasing(StoreBase):
         if adds:
             self.add_batch_lines(adds)
         return leases
+
+    def _lease_replies(
+        self, consumer: str, live: Sequence[tuple[str, str, str]], tries: int = 3
+    ) -> list[Any]:
+        """``lease.lua`` replies for ``live`` entries. Each call first names the job key as the
+        job's idempotency key (unknown yet); a job that would end at lease (cancelled,
+        dead-lettered) with an idempotency key answers 'idem' with that key, changing nothing,
+        and is called again naming it, so that the script declares the key it expires."""
+        replies: list[Any] = [None] * len(live)
+        idem = [self.keys.job(job_id) for _, _, job_id in live]
+        todo = list(range(len(live)))
+        for _ in range(tries):
+            calls: list[Call] = []
+            for i in todo:
+                stream, eid, job_id = live[i]
+                dead = self.keys.dead_in(self._stream_shard(stream))
+                keys = [self.keys.job(job_id), stream, dead, self.keys.events(job_id), idem[i]]
+                args = [
+                    consumer,
+                    GROUP,
+                    eid,
+                    self.lease_ms,
+                    self.max_deliveries,
+                    self.retention_s,
+                    self.events_maxlen,
+                ]
+                calls.append(("lease", keys, args))
+            for i, reply in zip(todo, self._exec(calls, raise_errors=False), strict=True):
+                replies[i] = reply
+                if not isinstance(reply, Exception) and reply[0] == "idem":
+                    named = reply[1] if len(reply) > 1 else None
+                    idem[i] = named or self.keys.job(live[i][2])
+            todo = [i for i in todo if not isinstance(replies[i], Exception)
+                    and replies[i][0] == "idem"]  # fmt: skip
+            if not todo:
+                return replies
+        for i in todo:  # the record kept changing (not seen in practice): read as unreadable
+            replies[i] = RuntimeError(f"lease: idempotency key of {live[i][2]} kept changing")
+        return replies
 
     def _count_unrun(self, job_id: str, reply: Sequence[Any], adds: list[LineAdd]) -> None:
         """A job that ended at claim (dead-lettered, or cancelled while its owner was gone):
@@ -234,7 +259,8 @@ class Leasing(StoreBase):
             entry_id=eid,
             request=request,
             deliveries=int(reply[3]),
-            batch=BatchRef.from_fields(reply[4:]),
+            batch=BatchRef.from_fields(reply[5:]),
+            idem_key=reply[4] or None,
         )
         if reason is not None:
             # Leased (so owned and fenced) but handed over apart, to be failed at once.

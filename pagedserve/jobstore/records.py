@@ -103,6 +103,9 @@ class Lease:
     deliveries: int
     #: Set for a job of an OpenAI batch (from the job record's server-owned fields).
     batch: BatchRef | None = None
+    #: The job's idempotency key (full key name, from the record's ``idem_key``), ``None`` for
+    #: none: the final write expires it and, like every script, declares it.
+    idem_key: str | None = None
 
 
 @dataclass(frozen=True)

@@ -14,19 +14,37 @@ local function is_terminal(s)
   return s == 'succeeded' or s == 'failed' or s == 'cancelled'
 end
 
+-- Whether `idem` (a declared key) names the job's idempotency key: the record's server-written
+-- idem_key field, or, for a job without one, the job key itself (a harmless key of its slot, so
+-- that the KEYS count stays fixed). A script that may end a job checks this before any write:
+-- finish() expires the idempotency key, and a script touches only keys it declares.
+local function idem_matches(job, idem)
+  local ik = redis.call('HGET', job, 'idem_key')
+  if ik then
+    return ik == idem
+  end
+  return idem == job
+end
+
 -- Ends a job: final status and time, the end event for streamers, and the retention TTL on
--- everything the job owns (record, events, idempotency key). The events stream is a convenience
--- for followers: an error there (a key of the wrong type) never stops the job's final write.
-local function finish(job, events, status, retention_s, events_maxlen)
+-- everything the job owns (record, events, idempotency key `idem`: see idem_matches, checked by
+-- the caller). The events stream is a convenience for followers: an error there (a key of the
+-- wrong type) never stops the job's final write.
+local function finish(job, events, idem, status, retention_s, events_maxlen)
   redis.call('HSET', job, 'status', status, 'finished_at', now_s())
   redis.call('HDEL', job, 'lease_expiry')
   redis.pcall('XADD', events, 'MAXLEN', '~', events_maxlen, '*', 'type', 'end', 'status', status)
   redis.call('EXPIRE', job, retention_s)
   redis.pcall('EXPIRE', events, retention_s)
-  local ik = redis.call('HGET', job, 'idem_key')
-  if ik then
-    redis.pcall('EXPIRE', ik, retention_s)
+  if idem ~= job then
+    redis.pcall('EXPIRE', idem, retention_s)
   end
+end
+
+-- The error a worker's write answers when it was not given the job's idempotency key (its
+-- lease names it): nothing was written.
+local function idem_error(job)
+  return redis.error_reply('ERR idempotency key of ' .. job .. ' not the one given')
 end
 
 -- True when `fence` is the job's current lease and the job is still owned by a worker.
@@ -48,13 +66,19 @@ end
 
 -- Raises before any write when a batch key has the wrong type, so that a script that calls this
 -- first either does everything or nothing.
+local function wrong_type(key, want)
+  local t = redis.call('TYPE', key).ok
+  if t ~= 'none' and t ~= want then
+    return 'WRONGTYPE batch key ' .. key .. ' is a ' .. t
+  end
+  return nil
+end
+
 local function check_batch_keys(bhash, members, counted, lines)
-  local want = {{bhash, 'hash'}, {members, 'set'}, {counted, 'set'}, {lines, 'list'}}
-  for _, kt in ipairs(want) do
-    local t = redis.call('TYPE', kt[1]).ok
-    if t ~= 'none' and t ~= kt[2] then
-      return redis.error_reply('WRONGTYPE batch key ' .. kt[1] .. ' is a ' .. t)
-    end
+  local why = wrong_type(bhash, 'hash') or wrong_type(members, 'set') or
+    wrong_type(counted, 'set') or wrong_type(lines, 'list')
+  if why then
+    return redis.error_reply(why)
   end
   return nil
 end
@@ -96,16 +120,16 @@ local function affinity_of(value)
   return owner, tonumber(served)
 end
 
--- Calls redis `cmd` with `head`, a chunk of `list` and `tail` (optional), chunk by chunk (Lua's
--- unpack is bounded); the table replies are concatenated.
-local function call_chunked(cmd, head, list, tail)
+-- Calls redis `cmd` with `key` (its one key), `head`, a chunk of `list` and `tail` (optional),
+-- chunk by chunk (Lua's unpack is bounded); the table replies are concatenated.
+local function call_chunked(cmd, key, head, list, tail)
   local out = {}
   for i = 1, #list, 1000 do
     local args = {}
     for _, h in ipairs(head) do args[#args + 1] = h end
     for j = i, math.min(i + 999, #list) do args[#args + 1] = list[j] end
     for _, t in ipairs(tail or {}) do args[#args + 1] = t end
-    local r = redis.call(cmd, unpack(args))
+    local r = redis.call(cmd, key, unpack(args))
     if type(r) == 'table' then
       for _, x in ipairs(r) do out[#out + 1] = x end
     end

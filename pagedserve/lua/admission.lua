@@ -64,7 +64,7 @@ for i, p in ipairs(pend) do
   ids[i] = p[1]
   idle[i] = tonumber(p[3])
 end
-local meta = call_chunked('HMGET', {meta_key}, ids)
+local meta = call_chunked('HMGET', meta_key, {}, ids)
 if #ids < size then  -- top up with new entries
   local r = redis.call('XREADGROUP', 'GROUP', group, win, 'COUNT', size - #ids, 'STREAMS', stream,
     '>')
@@ -86,8 +86,8 @@ if #ids < size then  -- top up with new entries
       fresh[#fresh + 1] = m
     end
   end
-  if #gone > 0 then call_chunked('XACK', {stream, group}, gone) end
-  if #fresh > 0 then call_chunked('HSET', {meta_key}, fresh) end
+  if #gone > 0 then call_chunked('XACK', stream, {group}, gone) end
+  if #fresh > 0 then call_chunked('HSET', meta_key, {}, fresh) end
 end
 
 -- items: {entry id, job id, signature, ms it entered the window}. An entry without meta (read
@@ -118,10 +118,10 @@ for i, id in ipairs(ids) do
     gone[#gone + 1] = id
   end
 end
-if #gone > 0 then call_chunked('XACK', {stream, group}, gone) end
+if #gone > 0 then call_chunked('XACK', stream, {group}, gone) end
 -- Reset the idle time of entries waiting long in the window, so that reclaim (XAUTOCLAIM, for dead
 -- workers' entries) leaves them alone: each entry about once per touch ms, still the window's.
-if #touch > 0 then call_chunked('XCLAIM', {stream, group, win, 0}, touch, {'JUSTID'}) end
+if #touch > 0 then call_chunked('XCLAIM', stream, {group, win, 0}, touch, {'JUSTID'}) end
 -- Entries that left the window otherwise (reclaimed after a long pause) leave stale meta.
 if redis.call('HLEN', meta_key) > #items + 1000 then
   local keep, stale = {}, {}
@@ -129,14 +129,14 @@ if redis.call('HLEN', meta_key) > #items + 1000 then
   for _, id in ipairs(redis.call('HKEYS', meta_key)) do
     if not keep[id] then stale[#stale + 1] = id end
   end
-  call_chunked('HDEL', {meta_key}, stale)
+  call_chunked('HDEL', meta_key, {}, stale)
 end
 for s in pairs(warm) do if not count[s] then sigs[#sigs + 1] = s end end
 for s in pairs(warming) do if not count[s] and not warm[s] then sigs[#sigs + 1] = s end end
 
 local owner, served = {}, {}
 if #sigs > 0 then
-  local vals = call_chunked('HMGET', {aff}, sigs)
+  local vals = call_chunked('HMGET', aff, {}, sigs)
   for i, s in ipairs(sigs) do
     owner[s], served[s] = affinity_of(vals[i])
   end
@@ -250,8 +250,8 @@ for _, k in ipairs(taken) do
   out[#out + 1] = {it[1], it[2], it[3]}
 end
 if #ids > 0 then
-  call_chunked('XCLAIM', {stream, group, me, 0}, ids, {'JUSTID'})
-  call_chunked('HDEL', {meta_key}, ids)
+  call_chunked('XCLAIM', stream, {group, me, 0}, ids, {'JUSTID'})
+  call_chunked('HDEL', meta_key, {}, ids)
 end
 -- Diagnostic: entries left that this worker would take with more seats (no signature, or a group
 -- that is no other worker's).
