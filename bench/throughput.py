@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes.util
+import dataclasses
 import json
 import os
 import random
@@ -396,6 +397,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--repeats", type=int, default=1, help="alternating rounds of every system: medians"
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--requests", type=int, help="requests per workload (default: the preset's)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per subprocess")
     return ap.parse_args(argv)
 
@@ -426,6 +428,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     systems = pick_systems(args)
     preset = PRESETS[args.preset]
+    if args.requests:
+        n = args.requests
+        preset = dataclasses.replace(
+            preset, mixed_requests=n, uniform_requests=n, shared_requests=n
+        )
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="throughput-") as tmp:
         workdir = Path(tmp)
