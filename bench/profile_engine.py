@@ -46,6 +46,7 @@ def install_timers() -> None:
     """Class-level wrappers: every instance created afterwards is timed."""
     import torch.nn.functional as F
 
+    from kernels import torch_backend
     from kernels.native import NativeDecode
     from kernels.torch_backend import TorchBackend
     from scheduler.scheduler import Scheduler
@@ -62,8 +63,9 @@ def install_timers() -> None:
     patch(ModelRunner, "_update_tables", "runner.update_tables")
     patch(TorchBackend, "paged_attention", "attn.paged_attention")
     patch(TorchBackend, "write_kv", "attn.write_kv")
-    patch(TorchBackend, "_decode_chunk", "attn.decode_chunk")
-    patch(TorchBackend, "_prefill", "attn.prefill")
+    patch(torch_backend, "decode_chunk", "attn.decode_chunk")
+    patch(torch_backend, "prefill_chunk", "attn.prefill")
+    patch(torch_backend, "shared_prefixes", "attn.shared_prefixes")
     patch(TorchBackend, "_get_plan", "attn.plan")
     patch(TorchBackend, "_get_decode_chunks", "attn.decode_chunks_plan")
     patch(Sampler, "sample", "sampler.sample")

@@ -10,13 +10,17 @@ run on the same thread count. Prints one JSON line.
     python -m bench.throughput [--preset quick|full|smollm2]
         [--workload mixed|uniform|shared-prefix|all]
         [--model DIR|FILE.gguf] [--vllm-python PATH] [--vllm-malloc auto|tcmalloc|glibc]
-        [--systems ours,hf-static,hf-cb,vllm] [--threads 2] [--repeats N]
+        [--systems ours,base,hf-static,hf-cb,vllm] [--base DIR] [--threads 2] [--repeats N]
+
+``base`` is our engine from another checkout (``--base DIR``, e.g. ``git worktree add --detach
+/tmp/base main``): an A/B of a change against main in the same run, rounds alternating.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes.util
+import dataclasses
 import json
 import os
 import random
@@ -38,7 +42,7 @@ PEER_MODULES = {
     "hf-cb": "bench.peers.hf_cb",
 }
 VLLM_SCRIPT = REPO / "bench" / "peers" / "vllm_peer.py"
-ALL_SYSTEMS = ("ours", "hf-static", "hf-cb", "vllm")
+ALL_SYSTEMS = ("ours", "base", "hf-static", "hf-cb", "vllm")
 WORKLOADS = ("mixed", "uniform", "shared-prefix")
 
 # PEERS.md, measured on this kind of machine (2 cores, fp32) with the full workload sizes.
@@ -192,13 +196,13 @@ def ensure_model(model: str | None, workdir: Path) -> Path:
 
 
 # -------------------------------------------------------------------------------- running
-def child_env(threads: int) -> dict[str, str]:
+def child_env(threads: int, repo: Path = REPO) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
         OMP_NUM_THREADS=str(threads),
         MKL_NUM_THREADS=str(threads),
         TOKENIZERS_PARALLELISM="false",
-        PYTHONPATH=str(REPO),
+        PYTHONPATH=str(repo),
         TRANSFORMERS_VERBOSITY="error",
     )
     return env
@@ -231,11 +235,13 @@ def vllm_env(threads: int, preload: str | None = None) -> dict[str, str]:
     return env
 
 
-def run_child(cmd: list[str], env: dict[str, str], out: Path, timeout: float) -> dict[str, Any]:
+def run_child(
+    cmd: list[str], env: dict[str, str], out: Path, timeout: float, cwd: Path = REPO
+) -> dict[str, Any]:
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(
-            cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout
+            cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout
         )
     except subprocess.TimeoutExpired:
         # One slow peer must not cost the figures of the others.
@@ -267,14 +273,19 @@ def run_system(
     work: Path = ctx["workdir"]
     job, out = work / f"{tag}.job.json", work / f"{tag}.result.json"
     write_job(job, ctx["model"], wl, ctx["threads"], options)
+    cwd = REPO
     if system == "vllm":
         cmd = [ctx["vllm_python"], str(VLLM_SCRIPT)]
         env = vllm_env(ctx["threads"], ctx.get("vllm_preload"))
+    elif system == "base":  # our engine, from the other checkout
+        cwd = Path(ctx["base"]).resolve()
+        cmd = [sys.executable, "-m", PEER_MODULES["ours"]]
+        env = child_env(ctx["threads"], cwd)
     else:
         cmd = [sys.executable, "-m", PEER_MODULES[system]]
         env = child_env(ctx["threads"])
     print(f"[throughput] {tag} ...", file=sys.stderr, flush=True)
-    result = run_child([*cmd, str(job), str(out)], env, out, ctx["timeout"])
+    result = run_child([*cmd, str(job), str(out)], env, out, ctx["timeout"], cwd)
     return add_mfu(result, wl, ctx)
 
 
@@ -377,13 +388,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="vLLM's allocator: auto = TCMalloc preloaded when installed (vLLM's advice)",
     )  # fmt: skip
     ap.add_argument(
-        "--systems", default=None, help="comma list of ours,hf-static,hf-cb,vllm (default: all)"
-    )
+        "--systems", default=None,
+        help="comma list of ours,base,hf-static,hf-cb,vllm (default: all that are set up)",
+    )  # fmt: skip
+    ap.add_argument("--base", help="checkout whose engine runs as system 'base' (A/B)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument(
         "--repeats", type=int, default=1, help="alternating rounds of every system: medians"
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--requests", type=int, help="requests per workload (default: the preset's)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per subprocess")
     return ap.parse_args(argv)
 
@@ -395,9 +409,12 @@ def pick_systems(args: argparse.Namespace) -> list[str]:
         if unknown:
             raise SystemExit(f"unknown systems: {unknown}; choose from {ALL_SYSTEMS}")
     else:
-        systems = [s for s in ALL_SYSTEMS if s != "vllm" or args.vllm_python]
+        optional = {"vllm": args.vllm_python, "base": args.base}
+        systems = [s for s in ALL_SYSTEMS if optional.get(s, True)]
     if "vllm" in systems and not args.vllm_python:
         raise SystemExit("--systems vllm needs --vllm-python PATH (see bench/README.md)")
+    if "base" in systems and not (args.base and (Path(args.base) / "bench").is_dir()):
+        raise SystemExit("--systems base needs --base DIR, a checkout of this project")
     return systems
 
 
@@ -411,6 +428,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     systems = pick_systems(args)
     preset = PRESETS[args.preset]
+    if args.requests:
+        n = args.requests
+        preset = dataclasses.replace(
+            preset, mixed_requests=n, uniform_requests=n, shared_requests=n
+        )
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="throughput-") as tmp:
         workdir = Path(tmp)
@@ -420,6 +442,7 @@ def main(argv: list[str] | None = None) -> None:
         ctx: dict[str, Any] = {
             "workdir": workdir, "model": model, "threads": args.threads, "preset": preset,
             "vllm_python": args.vllm_python, "timeout": args.timeout, "params": params,
+            "base": args.base,
             "vllm_preload": vllm_preload(args.vllm_malloc) if "vllm" in systems else None,
             "repeats": max(1, args.repeats),
         }  # fmt: skip

@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 DISABLE_ENV = "PAGEDSERVE_NATIVE_KERNELS"
+#: Only the fused layer ops of ``kernels/fused.py`` (also off with ``DISABLE_ENV``).
+FUSED_ENV = "PAGEDSERVE_FUSED_OPS"
 CACHE_ENV = "PAGEDSERVE_KERNEL_CACHE"
 
 
@@ -198,7 +200,7 @@ def _compiler() -> str | None:
     return None
 
 
-def _build_key(compiler: str, flags: list[str]) -> str:
+def _build_key(compiler: str, flags: list[str], source: Path = SOURCE) -> str:
     """Source, compiler version and flags; ``-march=native`` also depends on this CPU."""
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=False
@@ -211,14 +213,17 @@ def _build_key(compiler: str, flags: list[str]) -> str:
         ]  # fmt: skip
         cpu = flags_lines[0] if flags_lines else ""
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), version.encode(), " ".join(flags).encode(), cpu.encode()):
+    for part in (source.read_bytes(), version.encode(), " ".join(flags).encode(), cpu.encode()):
         digest.update(part)
         digest.update(b"\0")
     return digest.hexdigest()[:16]
 
 
-def build(force: bool = False) -> Path:
+def build(force: bool = False, source: Path = SOURCE, flags: list[str] | None = None) -> Path:
     """Compile the kernel (or find it in the cache); returns the shared library's path.
+
+    ``source``/``flags``: another C file of ``kernels/csrc`` (``kernels/fused.py`` builds its
+    own through this), cached under its own stem and key.
 
     Written to a temporary name and renamed into place, so concurrent builders (pytest-xdist
     workers, two engines) never load a half-written file.
@@ -226,13 +231,14 @@ def build(force: bool = False) -> Path:
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C compiler found (set CC, or install gcc)")
-    target = _cache_dir() / f"paged_decode-{_build_key(compiler, FLAGS)}.so"
+    flags = FLAGS if flags is None else flags
+    target = _cache_dir() / f"{source.stem}-{_build_key(compiler, flags, source)}.so"
     if target.exists() and not force:
         return target
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        cmd = [compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"]
+        cmd = [compiler, *flags, str(source), "-o", tmp, "-lm"]
         result = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if result.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr.strip()}")
@@ -241,6 +247,11 @@ def build(force: bool = False) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def switched_off(name: str) -> bool:
+    """Whether the variable ``name`` is set to 0/false/no/off (the kernels' on/off switches)."""
+    return os.environ.get(name, "1").strip().lower() in ("0", "false", "no", "off")
 
 
 _LOADED: NativeDecode | None = None
@@ -253,7 +264,7 @@ def load() -> NativeDecode | None:
     if _TRIED:
         return _LOADED
     _TRIED = True
-    if os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if switched_off(DISABLE_ENV):
         log.info("native CPU decode kernel disabled by %s", DISABLE_ENV)
         return None
     try:
@@ -263,7 +274,7 @@ def load() -> NativeDecode | None:
     return _LOADED
 
 
-__all__ = ["DecodeRows", "NativeDecode", "build", "load"]
+__all__ = ["DecodeRows", "NativeDecode", "build", "load", "switched_off"]
 
 
 if __name__ == "__main__":  # pragma: no cover - `python -m kernels.native`: prebuild

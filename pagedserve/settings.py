@@ -123,6 +123,9 @@ EXPIRE_EVERY_S = Setting(
 NATIVE_KERNELS = Setting(
     "PAGEDSERVE_NATIVE_KERNELS", "1", "0: no C decode kernel; attention stays in plain torch"
 )
+FUSED_OPS = Setting(
+    "PAGEDSERVE_FUSED_OPS", "1", "0: no fused C layer ops (SwiGLU, add+RMSNorm, rope+KV write)"
+)
 KERNEL_CACHE = Setting(
     "PAGEDSERVE_KERNEL_CACHE",
     "",
@@ -147,6 +150,7 @@ SETTINGS: tuple[Setting, ...] = (
     FINALIZE_EVERY_S,
     EXPIRE_EVERY_S,
     NATIVE_KERNELS,
+    FUSED_OPS,
     KERNEL_CACHE,
 )
 

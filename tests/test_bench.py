@@ -194,3 +194,29 @@ def test_quick_run_end_to_end(tiny_model_dir: Path, flops_per_token: float) -> N
     assert on["ok"] and off["ok"]
     assert shared["prefix_hit_rate"] > 0.5  # a 1024-token system prompt ahead of short suffixes
     assert off["prefix_hit_tokens"] == 0
+
+
+def test_base_system_needs_a_checkout() -> None:
+    with pytest.raises(SystemExit, match="--base DIR"):
+        pick_systems(parse_args(["--systems", "ours,base"]))
+    assert "base" not in pick_systems(parse_args([]))
+    assert "base" in pick_systems(parse_args(["--base", str(REPO)]))
+
+
+def test_compare_models_runs_an_ab_against_a_base_checkout(tiny_model_dir: Path) -> None:
+    """bench.compare_models over one model, ours against this same checkout as 'base' in 2
+    alternating rounds: its table carries both systems' figures and the paired ratios computed
+    from the runs' own figures."""
+    cmd = [sys.executable, "-m", "bench.compare_models", "--models", str(tiny_model_dir),
+           "--workloads", "mixed", "--systems", "ours,base", "--base", str(REPO),
+           "--repeats", "2", "--real-preset", "smoke"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    (row,) = line["table"]
+    assert row["model"] == str(tiny_model_dir) and row["workload"] == "mixed"
+    ours, base = row["systems"]["ours"], row["systems"]["base"]
+    assert ours["ok"] and base["ok"]
+    pairs = zip(ours["runs_output_tok_s"], base["runs_output_tok_s"], strict=True)
+    assert row["paired_ratios"]["ours/base"] == [round(a / b, 2) for a, b in pairs]
+    assert row["ratios"]["ours/base"] == round(ours["output_tok_s"] / base["output_tok_s"], 2)

@@ -51,10 +51,11 @@ def test_shares_torchs_openmp_runtime() -> None:
 @needs_compiler
 @pytest.mark.parametrize("window", [None, 1, 100])
 # (8, 4, 64) and (16, 4, 128) with block size 16 take the kernel's compile-time specialised
-# paths (GQA pairs with register-resident value accumulators; 4-way groups); the rest the generic.
+# paths (GQA pairs with register-resident value accumulators; 4-way groups); the rest the generic
+# one, among them SmolLM2's 9 / 3 and Qwen2-0.5B's 14 / 2 heads.
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim"),
-    [(8, 8, 64), (8, 2, 64), (16, 1, 64), (8, 4, 64), (16, 4, 128)],
+    [(8, 8, 64), (8, 2, 64), (16, 1, 64), (8, 4, 64), (16, 4, 128), (9, 3, 64), (14, 2, 64)],
 )
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 def test_spread_of_lengths_against_reference(

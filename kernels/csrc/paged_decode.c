@@ -278,6 +278,9 @@ static void ps_decode_row(const ps_decode_args *a, int64_t r, int64_t h0, int64_
     const int64_t D = a->head_dim, G = a->num_heads / a->num_kv_heads, BS = a->block_size;
     if (BS == 16 && D == 64 && G == 2) ps_decode_row_impl(a, r, h0, h1, 64, 2, 16);
     else if (BS == 16 && D == 128 && G == 4) ps_decode_row_impl(a, r, h0, h1, 128, 4, 16);
+    /* SmolLM2-135M (9 heads / 3 KV heads) and Qwen2-0.5B (14 / 2): head_dim 64 */
+    else if (BS == 16 && D == 64 && G == 3) ps_decode_row_impl(a, r, h0, h1, 64, 3, 16);
+    else if (BS == 16 && D == 64 && G == 7) ps_decode_row_impl(a, r, h0, h1, 64, 7, 16);
     else ps_decode_row_impl(a, r, h0, h1, D, G, BS);
 }
 

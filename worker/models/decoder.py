@@ -14,9 +14,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import AttentionMetadata, get_backend
+from kernels import AttentionMetadata, fused, get_backend
 from worker.models.config import ModelConfig
-from worker.models.layers import DecoderLayer, RMSNorm, _param, linear, swap_for_packed
+from worker.models.layers import (
+    DecoderLayer,
+    LayerInputs,
+    RMSNorm,
+    _param,
+    linear,
+    swap_for_packed,
+)
 
 # Checkpoint tensors that carry no weights of ours (old exports store rotary buffers).
 _IGNORED_SUFFIXES: tuple[str, ...] = ("rotary_emb.inv_freq",)
@@ -47,7 +54,9 @@ class CausalLM(nn.Module):
             else _param(config.vocab_size, config.hidden_size, dtype=dt, device=device)
         )
         # float32 [max_positions, 2, head_dim / 2]; rows are gathered by position each step.
-        self.register_buffer("rope_table", rope_table.to(device), persistent=False)
+        self.register_buffer("rope_table", rope_table.to(device).contiguous(), persistent=False)
+        #: Whether float32 CPU passes may use the fused C layer ops (kernels/fused.py).
+        self.use_fused = True
 
     @property
     def device(self) -> torch.device:
@@ -65,10 +74,22 @@ class CausalLM(nn.Module):
         backend = get_backend(input_ids.device)
         x = F.embedding(input_ids, self.embed_weight)
         cos_sin = self.rope_table[positions].to(x.dtype)  # [T, 2, D/2]
-        cos, sin = cos_sin[:, 0:1], cos_sin[:, 1:2]  # [T, 1, D/2], broadcast over heads
+        ops = fused.load() if self.use_fused else None
+        if ops is not None and not ops.supports(x, self.rope_table):
+            ops = None
+        inputs = LayerInputs(
+            cos=cos_sin[:, 0:1],  # [T, 1, D/2], broadcast over heads
+            sin=cos_sin[:, 1:2],
+            rope_table=self.rope_table,
+            positions=positions,
+            meta=meta,
+            backend=backend,
+            fused=ops,
+        )
+        delta: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, meta, backend)
-        return self.norm(x)
+            x, delta = layer(x, delta, kv_cache, inputs)
+        return self.norm.add_norm(x, delta, ops)[1]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

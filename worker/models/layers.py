@@ -9,11 +9,14 @@ weights are the checkpoint's separate matrices stacked along the output dimensio
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kernels import AttentionBackend, AttentionMetadata
+from kernels.fused import FusedOps
 from worker.models.config import ModelConfig
 from worker.models.rope import apply_rope
 
@@ -95,6 +98,24 @@ def swap_for_packed(module: nn.Module, name: str) -> bool:
     return True
 
 
+@dataclass(frozen=True, slots=True)
+class LayerInputs:
+    """What every layer of one forward pass shares, built once per step.
+
+    ``fused``: the C layer ops (:mod:`kernels.fused`) when this pass may use them (float32 on
+    the CPU), else None and every layer runs torch ops. ``rope_table``/``positions`` feed the
+    fused rope, ``cos``/``sin`` (``[T, 1, D / 2]``) the torch one.
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    rope_table: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    backend: AttentionBackend
+    fused: FusedOps | None = None
+
+
 def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
@@ -116,6 +137,17 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(dtype)
 
+    def add_norm(
+        self, residual: torch.Tensor, delta: torch.Tensor | None, fused: FusedOps | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(residual + delta, norm(residual + delta))``; with ``fused`` one C pass that adds
+        in place (``residual`` must be a tensor this pass owns: the embedding's output)."""
+        if fused is not None and residual.is_contiguous() and residual.dim() == 2:
+            return residual, fused.add_rms_norm(residual, delta, self.weight, self.eps)
+        if delta is not None:
+            residual = residual + delta
+        return residual, self(residual)
+
 
 class GatedMLP(nn.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul."""
@@ -129,8 +161,11 @@ class GatedMLP(nn.Module):
         self.down_bias = _param(hidden, dtype=dt, device=device) if cfg.mlp_bias else None
         self.intermediate_size = inter
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: FusedOps | None = None) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias)
+        if fused is not None and gate_up.dim() == 2:  # silu(gate) * up in one pass
+            act = fused.silu_mul(gate_up, self.intermediate_size)
+            return linear(act, self.down_weight, self.down_bias)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         # In place: one activation-sized buffer fewer per layer (same values).
         return linear(F.silu(gate).mul_(up), self.down_weight, self.down_bias)
@@ -159,21 +194,29 @@ class PagedAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
+        inputs: LayerInputs,
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = linear(x, self.qkv_weight, self.qkv_bias)
         qk_size = self.q_size + self.kv_size
-        # queries and keys rotated together: [T, H + Hkv, D] in one call, then split as views
-        qk = apply_rope(qkv[:, :qk_size].view(t, -1, self.head_dim), cos, sin)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, qk_size:].reshape(t, self.num_kv_heads, self.head_dim)  # contiguous copy
         k_cache, v_cache = kv_cache
-        backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        meta, backend, fused = inputs.meta, inputs.backend, inputs.fused
+        if fused is not None and k_cache.dtype == torch.float32 and k_cache.is_contiguous():
+            # rope in place and the KV write in one C pass; q, k, v are views of qkv
+            fused.rope_kv(
+                qkv, self.num_heads, self.num_kv_heads, self.head_dim, inputs.rope_table,
+                inputs.positions, k_cache, v_cache, meta.slot_mapping,
+            )  # fmt: skip
+            q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size : qk_size].view(t, self.num_kv_heads, self.head_dim)
+            v = qkv[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)
+        else:
+            # queries and keys rotated together: [T, H + Hkv, D] in one call, then split
+            qk = apply_rope(qkv[:, :qk_size].view(t, -1, self.head_dim), inputs.cos, inputs.sin)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+            v = qkv[:, qk_size:].reshape(t, self.num_kv_heads, self.head_dim)  # contiguous
+            backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = backend.paged_attention(
             q, k, v, k_cache, v_cache, meta, self.scale, self.sliding_window
         )
@@ -181,7 +224,12 @@ class PagedAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+    """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``.
+
+    ``forward`` takes the residual stream and the previous layer's MLP output (None for the
+    first layer) and returns the residual and this layer's MLP output: each residual add is
+    done together with the norm that follows it (:meth:`RMSNorm.add_norm`), the last one by
+    the model's final norm."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, device: torch.device | str):
         super().__init__()
@@ -192,12 +240,12 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        residual: torch.Tensor,
+        delta: torch.Tensor | None,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
-    ) -> torch.Tensor:
-        x = x + self.attn(self.input_norm(x), cos, sin, kv_cache, meta, backend)
-        return x + self.mlp(self.post_attn_norm(x))
+        inputs: LayerInputs,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        fused = inputs.fused
+        residual, h = self.input_norm.add_norm(residual, delta, fused)
+        residual, h = self.post_attn_norm.add_norm(residual, self.attn(h, kv_cache, inputs), fused)
+        return residual, self.mlp(h, fused)

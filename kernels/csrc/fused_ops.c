@@ -1,0 +1,159 @@
+/*
+ * Fused per-layer elementwise work of a Llama-style decoder layer on CPUs (float32).
+ *
+ * Why this exists: on a narrow model (SmolLM2-135M: hidden 576, 30 layers) torch runs each
+ * layer's small elementwise steps as separate ops (RMSNorm alone is pow, mean, add, rsqrt and
+ * two muls; rope is four muls, a sub, an add and a cat; SwiGLU is silu then mul), each a full
+ * pass over an activation that, in a 2048-token prefill chunk, does not fit the caches, plus a
+ * fresh allocation and the per-op dispatch cost. A torch profile of SmolLM2 prefill+decode put
+ * those ops at ~30% of self CPU time. Here each is one pass:
+ *
+ *   ps_silu_mul_f32      out = silu(gate) * up, reading the fused gate_up projection's rows
+ *   ps_add_rms_norm_f32  residual += delta (optional), out = weight * (residual * rsqrt(ms+eps))
+ *   ps_rope_kv_f32       rotate q and k in place inside the qkv rows, then copy k and v to their
+ *                        cache slots (what write_kv did with two index_copy_ calls)
+ *
+ * Threads: OpenMP only when a call has enough work (PS_PAR_MIN elements); decode-sized calls
+ * run on the calling thread, so no fork-join per layer per step (a previous attempt's per-layer
+ * OpenMP kernel was suspected of costing more than it saved on 2 cores). The library links
+ * libgomp by soname, as paged_decode.c does, so its threads are torch's.
+ *
+ * Numerics: built with -ffp-contract=off, so rope does exactly torch's arithmetic (each
+ * product rounded, then the sub/add): bit-identical. RMSNorm sums squares in a different
+ * order than torch's reduction and SiLU uses its own exp (Cephes polynomial, ~1 ulp): both
+ * differ from torch by float32 rounding only (tests/test_kernels_fused.py bounds it, and the
+ * greedy parity tests against transformers hold).
+ *
+ * Built at first use by kernels/fused.py with the machine's C compiler; called through ctypes.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define PS_PAR_MIN (1 << 16)
+
+typedef float v8sf __attribute__((vector_size(32)));
+typedef int32_t v8si __attribute__((vector_size(32)));
+typedef float v8sf_u __attribute__((vector_size(32), aligned(4))); /* unaligned access */
+
+static inline v8sf ps_ld(const float *p) { return *(const v8sf_u *)p; }
+static inline void ps_st(float *p, v8sf v) { *(v8sf_u *)p = v; }
+static inline v8sf ps_splat(float x) { return (v8sf){x, x, x, x, x, x, x, x}; }
+
+/* exp(x), x clamped to [-87.3, 88.3] (Cephes' expf polynomial after a 2^n split, ~1 ulp). */
+static inline v8sf ps_exp8(v8sf x) {
+    const v8sf lo = ps_splat(-87.3f), hi = ps_splat(88.3f);
+    v8si below = x < lo, above = x > hi;
+    x = (v8sf)(((v8si)x & ~below) | ((v8si)lo & below));
+    x = (v8sf)(((v8si)x & ~above) | ((v8si)hi & above));
+    const v8sf magic = ps_splat(12582912.0f); /* 1.5 * 2^23: adds round to an integer */
+    v8sf t = x * ps_splat(1.44269504088896341f) + magic;
+    v8sf n = t - magic;
+    v8sf r = x - n * ps_splat(0.693359375f);
+    r = r - n * ps_splat(-2.12194440e-4f);
+    v8sf y = ps_splat(1.9875691500e-4f);
+    y = y * r + ps_splat(1.3981999507e-3f);
+    y = y * r + ps_splat(8.3334519073e-3f);
+    y = y * r + ps_splat(4.1665795894e-2f);
+    y = y * r + ps_splat(1.6666665459e-1f);
+    y = y * r + ps_splat(5.0000001201e-1f);
+    y = y * (r * r) + r + ps_splat(1.0f);
+    v8si bits = (v8si)t - (v8si)magic;
+    return (v8sf)((v8si)y + (bits << 23));
+}
+
+static inline float ps_silu1(float g) { return g / (1.0f + expf(-g)); }
+
+/* out[r, i] = silu(gu[r, i]) * gu[r, inter + i]; rows in_stride / out_stride floats apart. */
+void ps_silu_mul_f32(const float *gu, int64_t rows, int64_t inter, int64_t in_stride,
+                     float *out, int64_t out_stride, int32_t threads) {
+    const int64_t vec_end = inter / 8 * 8;
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows * inter >= PS_PAR_MIN)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *g = gu + r * in_stride, *u = g + inter;
+        float *o = out + r * out_stride;
+        for (int64_t i = 0; i < vec_end; i += 8) {
+            const v8sf gv = ps_ld(g + i);
+            const v8sf s = gv / (ps_splat(1.0f) + ps_exp8(-gv));
+            ps_st(o + i, s * ps_ld(u + i));
+        }
+        for (int64_t i = vec_end; i < inter; ++i) o[i] = ps_silu1(g[i]) * u[i];
+    }
+}
+
+/* One row: x += d (when d), then out = w * (x * (1 / sqrt(mean(x^2) + eps))). */
+static inline void ps_add_rms_row(float *x, const float *d, const float *w, float *out,
+                                  int64_t dim, float eps) {
+    const int64_t vec_end = dim / 8 * 8;
+    v8sf acc[4] = {ps_splat(0.0f), ps_splat(0.0f), ps_splat(0.0f), ps_splat(0.0f)};
+    int64_t i = 0;
+    for (; i < vec_end; i += 8) {
+        v8sf v = ps_ld(x + i);
+        if (d) {
+            v = v + ps_ld(d + i);
+            ps_st(x + i, v);
+        }
+        acc[(i / 8) & 3] += v * v;
+    }
+    float tail = 0.0f;
+    for (; i < dim; ++i) {
+        if (d) x[i] += d[i];
+        tail += x[i] * x[i];
+    }
+    const v8sf a = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+    float sum = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])) + tail;
+    const float inv = 1.0f / sqrtf(sum / (float)dim + eps);
+    const v8sf iv = ps_splat(inv);
+    for (i = 0; i < vec_end; i += 8) ps_st(out + i, ps_ld(w + i) * (ps_ld(x + i) * iv));
+    for (; i < dim; ++i) out[i] = w[i] * (x[i] * inv);
+}
+
+/* residual [rows, dim] (contiguous, updated in place when delta is given), delta rows
+ * delta_stride apart (or NULL), out [rows, dim] contiguous. */
+void ps_add_rms_norm_f32(float *residual, const float *delta, int64_t delta_stride,
+                         const float *weight, float *out, int64_t rows, int64_t dim, float eps,
+                         int32_t threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows * dim >= PS_PAR_MIN)
+    for (int64_t r = 0; r < rows; ++r)
+        ps_add_rms_row(residual + r * dim, delta ? delta + r * delta_stride : NULL, weight,
+                       out + r * dim, dim, eps);
+}
+
+/* Token t's row of qkv (row_stride floats; [H q heads | Hkv k heads | Hkv v heads] x D): its
+ * q and k heads rotated in place by position positions[t] (table: [P, 2, D / 2] cos then sin,
+ * Hugging Face half-split pairs), then k and v copied to cache slot slots[t] (caches
+ * [slots, Hkv, D] contiguous) when slots is not NULL. */
+void ps_rope_kv_f32(float *qkv, int64_t tokens, int64_t row_stride, int64_t num_heads,
+                    int64_t num_kv_heads, int64_t head_dim, const float *table,
+                    const int64_t *positions, float *k_cache, float *v_cache,
+                    const int64_t *slots, int32_t threads) {
+    const int64_t half = head_dim / 2, rotated = num_heads + num_kv_heads;
+    const int64_t kv_floats = num_kv_heads * head_dim;
+#pragma omp parallel for schedule(static) num_threads(threads) \
+    if (tokens * rotated * head_dim >= PS_PAR_MIN)
+    for (int64_t t = 0; t < tokens; ++t) {
+        float *row = qkv + t * row_stride;
+        const float *c = table + positions[t] * head_dim, *s = c + half;
+        for (int64_t h = 0; h < rotated; ++h) {
+            float *x1 = row + h * head_dim, *x2 = x1 + half;
+            int64_t i = 0;
+            for (; i + 8 <= half; i += 8) {
+                const v8sf a = ps_ld(x1 + i), b = ps_ld(x2 + i);
+                const v8sf cv = ps_ld(c + i), sv = ps_ld(s + i);
+                ps_st(x1 + i, a * cv - b * sv);
+                ps_st(x2 + i, b * cv + a * sv);
+            }
+            for (; i < half; ++i) {
+                const float a = x1[i], b = x2[i];
+                x1[i] = a * c[i] - b * s[i];
+                x2[i] = b * c[i] + a * s[i];
+            }
+        }
+        if (slots) {
+            memcpy(k_cache + slots[t] * kv_floats, row + num_heads * head_dim,
+                   (size_t)kv_floats * sizeof(float));
+            memcpy(v_cache + slots[t] * kv_floats, row + rotated * head_dim,
+                   (size_t)kv_floats * sizeof(float));
+        }
+    }
+}

@@ -1,0 +1,96 @@
+"""The fused C layer ops (kernels/csrc/fused_ops.c) against the torch ops they replace.
+
+Rope must be bit-identical (both round every product, then add); SiLU (own exp) and RMSNorm
+(own summation order) may differ by float32 rounding only. Sizes cover the serial path
+(decode-sized) and the OpenMP one (prefill-sized), and widths that are not a multiple of 8.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import fused
+from worker.models.layers import RMSNorm
+from worker.models.rope import apply_rope
+
+OPS = fused.load()
+pytestmark = pytest.mark.skipif(OPS is None, reason="no C compiler: fused ops not built")
+
+
+def _ops() -> fused.FusedOps:
+    assert OPS is not None
+    return OPS
+
+
+@pytest.mark.parametrize(("rows", "inter"), [(1, 1536), (7, 100), (2048, 1536), (3, 4864)])
+def test_silu_mul_matches_torch(rows: int, inter: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    gate_up = torch.randn(rows, 2 * inter, generator=g) * 4
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # the exp's clamped ends
+    got = _ops().silu_mul(gate_up, inter)
+    gate, up = gate_up.split(inter, dim=-1)
+    want = F.silu(gate) * up
+    assert got.shape == (rows, inter)
+    torch.testing.assert_close(got, want, rtol=4e-7, atol=1e-30)
+
+
+def test_silu_mul_reads_strided_rows() -> None:
+    """A row-sliced projection output (rows a stride apart) is read where it lies."""
+    big = torch.randn(10, 2 * 64)
+    view = big[::2]
+    torch.testing.assert_close(
+        _ops().silu_mul(view, 64), F.silu(view[:, :64]) * view[:, 64:], rtol=4e-7, atol=0
+    )
+
+
+@pytest.mark.parametrize(("rows", "dim"), [(1, 576), (5, 13), (2048, 576), (4, 896)])
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_add_rms_norm_matches_torch(rows: int, dim: int, with_delta: bool) -> None:
+    g = torch.Generator().manual_seed(dim)
+    residual = torch.randn(rows, dim, generator=g) * 3
+    delta = torch.randn(rows, dim, generator=g) if with_delta else None
+    norm = RMSNorm(dim, 1e-5, torch.float32, "cpu")
+    norm.weight.data.copy_(torch.randn(dim, generator=g))
+    want_res = residual + delta if delta is not None else residual.clone()
+    want = norm(want_res)
+    res_after, got = norm.add_norm(residual, delta, _ops())
+    assert res_after is residual  # updated in place
+    assert torch.equal(residual, want_res)  # the add is the same float add
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("tokens", [1, 9, 300])
+def test_rope_kv_is_bit_identical_and_writes_the_slots(tokens: int) -> None:
+    heads, kv_heads, d, block = 9, 3, 64, 16
+    g = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=g)
+    positions = torch.randint(0, 1000, (tokens,), generator=g)
+    angles = torch.randn(1024, 1, d // 2, generator=g)
+    table = torch.cat((angles.cos(), angles.sin()), dim=1).contiguous()  # [P, 2, D/2]
+    blocks = -(-tokens // block) + 2
+    k_cache = torch.zeros(blocks, block, kv_heads, d)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.randperm(blocks * block, generator=g)[:tokens]
+    # the torch path of PagedAttention
+    cos_sin = table[positions]
+    qk = apply_rope(qkv[:, : (heads + kv_heads) * d].view(tokens, -1, d),
+                    cos_sin[:, 0:1], cos_sin[:, 1:2])  # fmt: skip
+    want_v = qkv[:, (heads + kv_heads) * d :].reshape(tokens, kv_heads, d)
+    _ops().rope_kv(qkv, heads, kv_heads, d, table, positions, k_cache, v_cache, slots)
+    got = qkv[:, : (heads + kv_heads) * d].view(tokens, -1, d)
+    assert torch.equal(got, qk)
+    flat_k, flat_v = k_cache.view(-1, kv_heads, d), v_cache.view(-1, kv_heads, d)
+    assert torch.equal(flat_k[slots], qk[:, heads:])
+    assert torch.equal(flat_v[slots], want_v)
+    untouched = torch.ones(blocks * block, dtype=torch.bool)
+    untouched[slots] = False
+    assert not flat_k[untouched].any() and not flat_v[untouched].any()
+
+
+def test_layout_checks_refuse_what_the_kernels_cannot_read() -> None:
+    with pytest.raises(ValueError):
+        _ops().silu_mul(torch.randn(4, 10).t(), 2)
+    with pytest.raises(ValueError):
+        _ops().add_rms_norm(torch.randn(4, 8).t(), None, torch.ones(4), 1e-6)
