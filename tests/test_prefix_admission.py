@@ -103,18 +103,28 @@ def test_signature_groups_shared_prefixes_and_tells_others_apart() -> None:
     assert prefix_signature(JobRequest(prompt=[1, 2, 3])) is None
 
 
-def test_a_new_group_past_the_group_limit_is_kept() -> None:
-    """Regression: with MAX_GROUPS groups all owned or running, a new group's record was the
-    only one free to evict and was dropped at once (KeyError; both load-test workers died)."""
+def test_the_group_table_stays_bounded() -> None:
+    """Regressions: (1) with MAX_GROUPS groups all owned or running, a new group's record was the
+    only one free to evict and was dropped at once (KeyError; both load-test workers died);
+    (2) owned idle groups were never evicted, so prompts that share nothing (one owned group
+    each while its blocks stay cached) piled up without bound and every round probed them all
+    (``bench.service --preset tiny`` fell from 0.89 to 0.64 of offline over 5 rounds)."""
     adm = PrefixAdmission(ServiceConfig(worker_id="w"), engine=None, jobs={})
     for i in range(MAX_GROUPS):
-        adm._group(f"s{i}").owned = True
+        g = adm._group(f"s{i}")
+        g.owned = True
+        g.running.add(f"job-{i}")
     g = adm._group("new")
     assert g.sig == "new" and next(reversed(adm.groups)) == "new"
-    assert len(adm.groups) == MAX_GROUPS + 1  # nothing else may go either
-    adm._group("s0").owned = False
-    adm._group("newer")  # the unowned, idle ones (s0, "new") make room, down to the limit
-    assert set(adm.groups) == {f"s{i}" for i in range(1, MAX_GROUPS)} | {"newer"}
+    assert len(adm.groups) == MAX_GROUPS + 1  # everything else runs here: nothing may go
+    for i in range(1, MAX_GROUPS):
+        adm.groups[f"s{i}"].running.clear()  # s0 still runs; the others are idle and owned
+    adm._group("newer")  # the least recently used idle ones make room, down to the limit
+    assert len(adm.groups) == MAX_GROUPS and {"s0", "new", "newer"} <= set(adm.groups)
+    assert adm._released == ["s1", "s2"]  # their affinities go at the next heartbeat
+    for i in range(500):  # a stream of prompts that share nothing
+        adm._group(f"x{i}").owned = True
+    assert len(adm.groups) == MAX_GROUPS and "s0" in adm.groups
 
 
 def test_the_signature_is_stored_with_the_job_and_its_entry(redis_url: str) -> None:

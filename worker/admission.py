@@ -114,6 +114,7 @@ class PrefixAdmission:
         self.sig_of: dict[str, str] = {}  # running job id -> signature
         self._prompt_blocks = 0.0  # running mean of the prompts' blocks (for the slot estimate)
         self._seen = 0
+        self._released: list[str] = []  # owned groups evicted: affinity to give up
         self.stats = RoundStats()
 
     # ----------------------------------------------------------------- claim
@@ -160,8 +161,8 @@ class PrefixAdmission:
 
     def _took(self, got: Admitted) -> None:
         for sig in got.lost:
-            if sig in self.groups:
-                self.groups[sig].owned = False
+            if (g := self.groups.get(sig)) is not None:
+                g.owned = False
         for sig in got.claimed:
             self._group(sig).owned = True
         new = set(got.piloted)  # their first job here fills the cache: the pilot
@@ -240,7 +241,8 @@ class PrefixAdmission:
         """Extend the affinities of groups still cached or running here; release the others."""
         self._log_rounds()
         self._update()
-        keep, drop = [], []
+        keep, drop = [], self._released
+        self._released = []
         for g in self.groups.values():
             if not g.owned:
                 continue
@@ -250,7 +252,8 @@ class PrefixAdmission:
                 drop.append(g.sig)
                 g.owned = False
         for sig in store.refresh_affinity(consumer, keep, drop, self.cfg.affinity_ttl_ms):
-            self.groups[sig].owned = False
+            if (g := self.groups.get(sig)) is not None:
+                g.owned = False
 
     def _log_rounds(self) -> None:
         """The diagnostic: the rounds since the last heartbeat against the seats they asked for."""
@@ -266,7 +269,8 @@ class PrefixAdmission:
 
     def release_all(self, store: JobStore, consumer: str) -> None:
         """Give up every affinity (the worker stops): its groups move at once, not at lapse."""
-        owned = [g.sig for g in self.groups.values() if g.owned]
+        owned = [g.sig for g in self.groups.values() if g.owned] + self._released
+        self._released = []
         store.refresh_affinity(consumer, [], owned, self.cfg.affinity_ttl_ms)
         for g in self.groups.values():
             g.owned = False
@@ -279,14 +283,22 @@ class PrefixAdmission:
         g = self.groups.get(sig)
         if g is None:
             g = self.groups[sig] = Group(sig)
-            while len(self.groups) > MAX_GROUPS:
-                old = next((s for s, x in self.groups.items()
-                            if s != sig and not x.running and not x.owned), None)  # fmt: skip
-                if old is None:
-                    break
-                del self.groups[old]
+            self._evict(keep=sig)
         self.groups.move_to_end(sig)
         return g
+
+    def _evict(self, keep: str) -> None:
+        """Keep at most MAX_GROUPS groups: the least recently used with nothing running here go,
+        owned ones too (their affinity is released at the next heartbeat). Without this, prompts
+        that share nothing (one group each, each owned while its blocks stay cached) piled up
+        groups without bound, and every admission round probed them all."""
+        while len(self.groups) > MAX_GROUPS:
+            old = next((s for s, x in self.groups.items()
+                        if s != keep and not x.running and x.pilot is None), None)  # fmt: skip
+            if old is None:
+                return
+            if self.groups.pop(old).owned:
+                self._released.append(old)
 
     def _pool(self) -> Any:
         sched = getattr(self.engine, "scheduler", None)
