@@ -22,17 +22,8 @@ class ApiConfig:
     """The API's options; those with :func:`~pagedserve.settings.opt` are ``pagedserve api``
     flags, and the ones naming a variable also come from the environment."""
 
-    redis_url: str = field(
-        default=settings.REDIS_URL.default,
-        metadata=opt(
-            "Redis URL: redis://, rediss://, unix://, redis+sentinel://, redis+cluster://",
-            env=settings.REDIS_URL,
-            flag="--redis",
-        ),
-    )
-    prefix: str = field(
-        default=settings.PREFIX.default, metadata=opt("Redis key prefix", env=settings.PREFIX)
-    )
+    redis_url: str = settings.redis_url_field()
+    prefix: str = settings.prefix_field()
     #: API key entries (see :mod:`api.auth`); empty, with no keys file: no authentication. When
     #: set, every endpoint but the health checks and the dashboard's static page needs
     #: ``Authorization: Bearer <key>``.

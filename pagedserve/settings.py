@@ -181,6 +181,22 @@ def opt(
     return {"option": {"help": help, "env": env, "flag": flag, "parse": parse, "choices": choices}}
 
 
+#: The schemes ``--redis`` takes, in every process's help.
+REDIS_URL_HELP = "Redis URL: redis://, rediss://, unix://, redis+sentinel://, redis+cluster://"
+
+
+def redis_url_field() -> Any:
+    """The ``--redis`` field (``PAGEDSERVE_REDIS_URL``) of every process's options."""
+    return dataclasses.field(
+        default=REDIS_URL.default, metadata=opt(REDIS_URL_HELP, env=REDIS_URL, flag="--redis")
+    )
+
+
+def prefix_field() -> Any:
+    """The key prefix field (``PAGEDSERVE_PREFIX``) of every process's options."""
+    return dataclasses.field(default=PREFIX.default, metadata=opt("Redis key prefix", env=PREFIX))
+
+
 @dataclass(frozen=True)
 class _Option:
     field: dataclasses.Field[Any]

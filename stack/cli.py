@@ -104,17 +104,8 @@ def _print(obj: Any) -> None:
 class Connection:
     """The global options: where the job store is and whose records this command writes."""
 
-    redis_url: str = field(
-        default=settings.REDIS_URL.default,
-        metadata=opt(
-            "Redis URL: redis://, rediss://, unix://, redis+sentinel://, redis+cluster://",
-            env=settings.REDIS_URL,
-            flag="--redis",
-        ),
-    )
-    prefix: str = field(
-        default=settings.PREFIX.default, metadata=opt("Redis key prefix", env=settings.PREFIX)
-    )
+    redis_url: str = settings.redis_url_field()
+    prefix: str = settings.prefix_field()
     tenant: str | None = field(
         default=None,
         metadata=opt(

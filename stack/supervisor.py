@@ -143,9 +143,7 @@ class UpConfig:
             flag="--redis",
         ),
     )
-    prefix: str = field(
-        default=settings.PREFIX.default, metadata=opt("Redis key prefix", env=settings.PREFIX)
-    )
+    prefix: str = settings.prefix_field()
     port: int = field(default=8000, metadata=opt("API port"))
     host: str = field(default="127.0.0.1", metadata=opt("API address"))
     home: Path = field(default=DEFAULT_HOME, metadata=opt("state directory"))

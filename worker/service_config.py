@@ -25,17 +25,8 @@ class ServiceConfig:
 
     #: Consumer name in the streams' group; empty: ``host-pid``.
     worker_id: str = field(default="", metadata=opt("consumer name (default: host-pid)"))
-    redis_url: str = field(
-        default=settings.REDIS_URL.default,
-        metadata=opt(
-            "Redis URL: redis://, rediss://, unix://, redis+sentinel://, redis+cluster://",
-            env=settings.REDIS_URL,
-            flag="--redis",
-        ),
-    )
-    prefix: str = field(
-        default=settings.PREFIX.default, metadata=opt("Redis key prefix", env=settings.PREFIX)
-    )
+    redis_url: str = settings.redis_url_field()
+    prefix: str = settings.prefix_field()
     lease_ms: int = field(
         default=DEFAULT_LEASE_MS, metadata=opt("a job's lease; renewed every third of it")
     )
