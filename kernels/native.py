@@ -201,7 +201,8 @@ def _compiler() -> str | None:
 
 
 def _build_key(compiler: str, flags: list[str], source: Path = SOURCE) -> str:
-    """Source, compiler version and flags; ``-march=native`` also depends on this CPU."""
+    """Source and the headers beside it, compiler version and flags; ``-march=native`` also
+    depends on this CPU."""
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=False
     ).stdout
@@ -213,7 +214,9 @@ def _build_key(compiler: str, flags: list[str], source: Path = SOURCE) -> str:
         ]  # fmt: skip
         cpu = flags_lines[0] if flags_lines else ""
     digest = hashlib.sha256()
-    for part in (source.read_bytes(), version.encode(), " ".join(flags).encode(), cpu.encode()):
+    headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # what it includes
+    for part in (source.read_bytes(), *headers, version.encode(), " ".join(flags).encode(),
+                 cpu.encode()):  # fmt: skip
         digest.update(part)
         digest.update(b"\0")
     return digest.hexdigest()[:16]

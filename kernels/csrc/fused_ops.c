@@ -30,36 +30,19 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "ps_vec.h"
+
 #define PS_PAR_MIN (1 << 16)
 
-typedef float v8sf __attribute__((vector_size(32)));
-typedef int32_t v8si __attribute__((vector_size(32)));
-typedef float v8sf_u __attribute__((vector_size(32), aligned(4))); /* unaligned access */
 
 static inline v8sf ps_ld(const float *p) { return *(const v8sf_u *)p; }
 static inline void ps_st(float *p, v8sf v) { *(v8sf_u *)p = v; }
-static inline v8sf ps_splat(float x) { return (v8sf){x, x, x, x, x, x, x, x}; }
 
-/* exp(x), x clamped to [-87.3, 88.3] (Cephes' expf polynomial after a 2^n split, ~1 ulp). */
-static inline v8sf ps_exp8(v8sf x) {
-    const v8sf lo = ps_splat(-87.3f), hi = ps_splat(88.3f);
-    v8si below = x < lo, above = x > hi;
-    x = (v8sf)(((v8si)x & ~below) | ((v8si)lo & below));
-    x = (v8sf)(((v8si)x & ~above) | ((v8si)hi & above));
-    const v8sf magic = ps_splat(12582912.0f); /* 1.5 * 2^23: adds round to an integer */
-    v8sf t = x * ps_splat(1.44269504088896341f) + magic;
-    v8sf n = t - magic;
-    v8sf r = x - n * ps_splat(0.693359375f);
-    r = r - n * ps_splat(-2.12194440e-4f);
-    v8sf y = ps_splat(1.9875691500e-4f);
-    y = y * r + ps_splat(1.3981999507e-3f);
-    y = y * r + ps_splat(8.3334519073e-3f);
-    y = y * r + ps_splat(4.1665795894e-2f);
-    y = y * r + ps_splat(1.6666665459e-1f);
-    y = y * r + ps_splat(5.0000001201e-1f);
-    y = y * (r * r) + r + ps_splat(1.0f);
-    v8si bits = (v8si)t - (v8si)magic;
-    return (v8sf)((v8si)y + (bits << 23));
+/* exp(x) for any x: clamped above to 88.3 (below, ps_exp8 clamps at -87.3). */
+static inline v8sf ps_exp8_any(v8sf x) {
+    const v8sf hi = ps_splat(88.3f);
+    v8si above = x > hi;
+    return ps_exp8((v8sf)(((v8si)x & ~above) | ((v8si)hi & above)));
 }
 
 static inline float ps_silu1(float g) { return g / (1.0f + expf(-g)); }
@@ -74,7 +57,7 @@ void ps_silu_mul_f32(const float *gu, int64_t rows, int64_t inter, int64_t in_st
         float *o = out + r * out_stride;
         for (int64_t i = 0; i < vec_end; i += 8) {
             const v8sf gv = ps_ld(g + i);
-            const v8sf s = gv / (ps_splat(1.0f) + ps_exp8(-gv));
+            const v8sf s = gv / (ps_splat(1.0f) + ps_exp8_any(-gv));
             ps_st(o + i, s * ps_ld(u + i));
         }
         for (int64_t i = vec_end; i < inter; ++i) o[i] = ps_silu1(g[i]) * u[i];

@@ -29,15 +29,14 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "ps_vec.h"
+
 #define PS_MAX_HEAD_DIM 256
 #define PS_MAX_HEADS 64
 #define PS_MAX_BLOCK 256
 #define PS_LANES 8
 
 /* GCC/Clang vector extensions: 8 floats (one AVX register; two NEON ones elsewhere). */
-typedef float v8sf __attribute__((vector_size(32)));
-typedef int32_t v8si __attribute__((vector_size(32)));
-typedef float v8sf_u __attribute__((vector_size(32), aligned(4))); /* unaligned loads */
 
 typedef struct {
     const float *query;          /* [T, num_heads, head_dim], rows query_row_stride apart */
@@ -64,7 +63,6 @@ typedef struct {
 } ps_decode_args;
 
 static inline v8sf ps_load(const float *p) { return *(const v8sf_u *)p; }
-static inline v8sf ps_splat(float x) { return (v8sf){x, x, x, x, x, x, x, x}; }
 
 /* Lane j of the result: the sum of the 8 lanes of p[j] (a transposing reduction). */
 static inline v8sf ps_hsum8(const v8sf p[8]) {
@@ -81,27 +79,6 @@ static inline v8sf ps_hsum8(const v8sf p[8]) {
     return lo + hi;
 }
 
-/* exp(x) for x <= 0, about 1 ulp (Cephes' expf polynomial after a 2^n split); lanes below
- * -87.3 give ~1e-38, which callers multiply by zero or add to a sum of at least 1. */
-static inline v8sf ps_exp8(v8sf x) {
-    const v8sf lo = ps_splat(-87.3f);
-    const v8si below = x < lo; /* all-ones lanes where x < lo (C has no vector ?:) */
-    x = (v8sf)(((v8si)x & ~below) | ((v8si)lo & below));
-    const v8sf magic = ps_splat(12582912.0f); /* 1.5 * 2^23: adds round to an integer */
-    v8sf t = x * ps_splat(1.44269504088896341f) + magic;
-    v8sf n = t - magic;
-    v8sf r = x - n * ps_splat(0.693359375f);
-    r = r - n * ps_splat(-2.12194440e-4f);
-    v8sf y = ps_splat(1.9875691500e-4f);
-    y = y * r + ps_splat(1.3981999507e-3f);
-    y = y * r + ps_splat(8.3334519073e-3f);
-    y = y * r + ps_splat(4.1665795894e-2f);
-    y = y * r + ps_splat(1.6666665459e-1f);
-    y = y * r + ps_splat(5.0000001201e-1f);
-    y = y * (r * r) + r + ps_splat(1.0f);
-    v8si bits = (v8si)t - (v8si)magic; /* n as an integer */
-    return (v8sf)((v8si)y + (bits << 23));
-}
 
 /* Scores of 8 consecutive tokens (rows token_stride apart) for one query vector. */
 static inline v8sf ps_scores8(const float *q, const float *k, int64_t token_stride, int64_t D) {

@@ -1,0 +1,40 @@
+/*
+ * Vector helpers shared by the CPU kernels (paged_decode.c, fused_ops.c): GCC vector types of
+ * 8 floats (the compiler picks AVX2 or AVX-512 code for them under -march=native), a splat, and
+ * a vectorised exp. Included, not compiled on its own; kernels/native.py hashes it into every
+ * kernel's build key.
+ */
+#ifndef PS_VEC_H
+#define PS_VEC_H
+
+#include <stdint.h>
+
+typedef float v8sf __attribute__((vector_size(32)));
+typedef int32_t v8si __attribute__((vector_size(32)));
+typedef float v8sf_u __attribute__((vector_size(32), aligned(4))); /* unaligned access */
+
+static inline v8sf ps_splat(float x) { return (v8sf){x, x, x, x, x, x, x, x}; }
+
+/* exp(x) for x <= 0, about 1 ulp (Cephes' expf polynomial after a 2^n split); lanes below
+ * -87.3 give ~1e-38, which callers multiply by zero or add to a sum of at least 1. */
+static inline v8sf ps_exp8(v8sf x) {
+    const v8sf lo = ps_splat(-87.3f);
+    const v8si below = x < lo; /* all-ones lanes where x < lo (C has no vector ?:) */
+    x = (v8sf)(((v8si)x & ~below) | ((v8si)lo & below));
+    const v8sf magic = ps_splat(12582912.0f); /* 1.5 * 2^23: adds round to an integer */
+    v8sf t = x * ps_splat(1.44269504088896341f) + magic;
+    v8sf n = t - magic;
+    v8sf r = x - n * ps_splat(0.693359375f);
+    r = r - n * ps_splat(-2.12194440e-4f);
+    v8sf y = ps_splat(1.9875691500e-4f);
+    y = y * r + ps_splat(1.3981999507e-3f);
+    y = y * r + ps_splat(8.3334519073e-3f);
+    y = y * r + ps_splat(4.1665795894e-2f);
+    y = y * r + ps_splat(1.6666665459e-1f);
+    y = y * r + ps_splat(5.0000001201e-1f);
+    y = y * (r * r) + r + ps_splat(1.0f);
+    v8si bits = (v8si)t - (v8si)magic; /* n as an integer */
+    return (v8sf)((v8si)y + (bits << 23));
+}
+
+#endif
