@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +24,7 @@ from pagedserve.redis_util import URL_ENV, LocalRedisServer
 from pagedserve.schemas import Completion, JobRequest, JobResult, JobStatus
 from pagedserve.settings import BROKER_URL, SHARDS
 from pagedserve.store import BatchRef, Finish, JobStore
+from tests.batch_cli import run_cli_batch
 from tests.fixtures.cluster import RedisClusterNodes
 from tests.fixtures.workers import StartWorker, wait_for
 
@@ -268,38 +267,8 @@ def test_a_batch_runs_end_to_end_on_a_cluster(
     w = start_worker(cluster.url, make_tiny_model("llama"), "w")
     model = JobStore(cluster.url).workers()["w"]["model"]
     env = dict(os.environ, **{URL_ENV: cluster.url, BROKER_URL.name: redis_server.url})
-    env["PAGEDSERVE_FINALIZE_EVERY_S"] = "0.5"
-    log = tmp_path / "celery.log"
-    cmd = [sys.executable, "-m", "stack", "control-plane"]
-    with log.open("wb") as out:
-        plane = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        lines = [
-            {"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
-             "body": {"model": model, "prompt": f"line {i}", "max_tokens": 5, "temperature": 0}}
-            for i in range(12)
-        ]  # fmt: skip
-        src = tmp_path / "in.jsonl"
-        src.write_text("".join(json.dumps(x) + "\n" for x in lines))
-        got = subprocess.run(
-            [sys.executable, "-m", "stack", "--redis-cluster", nodes, "batch", "submit", str(src),
-             "--wait", "--poll", "0.2", "--output", str(tmp_path / "out.jsonl")],
-            capture_output=True, text=True, timeout=240, env=env,
-        )  # fmt: skip
-        assert got.returncode == 0, (got.stdout, got.stderr[-2000:], log.read_text()[-2000:])
-        batch = json.loads(got.stdout.strip().splitlines()[-1])
-        assert batch["status"] == "completed" and batch["request_counts"]["completed"] == 12
-        out = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
-        assert sorted(o["custom_id"] for o in out) == sorted(f"r{i}" for i in range(12))
-        assert all(o["response"]["status_code"] == 200 for o in out)
-        store = JobStore(cluster.url)
-        jobs = store.r.lrange(store.keys.batch_jobs(batch["id"]), 0, -1)
-        assert len(jobs) == 12 and len({store.keys.shard(j) for j in jobs}) > 1
-        assert w.proc.poll() is None
-    finally:
-        plane.terminate()
-        try:
-            plane.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            plane.kill()
-            plane.wait()
+    batch = run_cli_batch(tmp_path, model, env, ["--redis-cluster", nodes], 12, timeout=240)
+    store = JobStore(cluster.url)
+    jobs = store.r.lrange(store.keys.batch_jobs(batch["id"]), 0, -1)
+    assert len(jobs) == 12 and len({store.keys.shard(j) for j in jobs}) > 1
+    assert w.proc.poll() is None

@@ -3,10 +3,7 @@ fails over with every job finished exactly once."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,6 +14,7 @@ from pagedserve.redis_url import kombu_options, parse_sentinel
 from pagedserve.redis_util import URL_ENV
 from pagedserve.schemas import JobStatus
 from pagedserve.store import JobStore
+from tests.batch_cli import run_cli_batch
 from tests.fixtures.sentinel import SentinelGroup
 from tests.fixtures.workers import StartWorker, wait_for
 
@@ -80,35 +78,6 @@ def test_a_batch_runs_end_to_end_through_sentinel(
     group = sentinel_group()
     w = start_worker(group.url, make_tiny_model("llama"), "w")
     model = JobStore(group.url).workers()["w"]["model"]
-    env = dict(os.environ, **{URL_ENV: group.url}, PAGEDSERVE_FINALIZE_EVERY_S="0.5")
-    log = tmp_path / "celery.log"
-    cmd = [sys.executable, "-m", "stack", "control-plane"]
-    with log.open("wb") as out:
-        plane = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        lines = [
-            {"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
-             "body": {"model": model, "prompt": f"line {i}", "max_tokens": 5, "temperature": 0}}
-            for i in range(6)
-        ]  # fmt: skip
-        src = tmp_path / "in.jsonl"
-        src.write_text("".join(json.dumps(x) + "\n" for x in lines))
-        got = subprocess.run(
-            [sys.executable, "-m", "stack", "--redis", group.url, "batch", "submit", str(src),
-             "--wait", "--poll", "0.2", "--output", str(tmp_path / "out.jsonl")],
-            capture_output=True, text=True, timeout=180, env=env,
-        )  # fmt: skip
-        assert got.returncode == 0, (got.stdout, got.stderr[-2000:], log.read_text()[-2000:])
-        batch = json.loads(got.stdout.strip().splitlines()[-1])
-        assert batch["status"] == "completed" and batch["request_counts"]["completed"] == 6
-        out = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
-        assert sorted(o["custom_id"] for o in out) == [f"r{i}" for i in range(6)]
-        assert all(o["response"]["status_code"] == 200 for o in out)
-        assert w.proc.poll() is None
-    finally:
-        plane.terminate()
-        try:
-            plane.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            plane.kill()
-            plane.wait()
+    env = dict(os.environ, **{URL_ENV: group.url})
+    run_cli_batch(tmp_path, model, env, ["--redis", group.url], 6, timeout=180)
+    assert w.proc.poll() is None
