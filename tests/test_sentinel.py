@@ -56,7 +56,7 @@ def test_master_killed_mid_run_fails_over_and_every_job_ends_once(
     master.kill()
     wait_for(lambda: group.master_port() != old_master, what="a sentinel failover", timeout=60)
     recs = client.wait_many(ids, timeout=180)
-    assert [r.status for r in recs] == [JobStatus.SUCCEEDED] * 60
+    assert [r.status for r in recs] == [JobStatus.SUCCEEDED] * 60, {r.error for r in recs}
     for r in recs:
         assert r.result is not None and r.result.completion_tokens == 24
         ends = [f for _, f in client.r.xrange(client.keys.events(r.id)) if f["type"] == "end"]
