@@ -75,7 +75,7 @@ class Group:
     owned: bool = False
     pilot: str | None = None  # job id of the first job, while its prefill runs
     running: set[str] = field(default_factory=set)
-    probe: list[tuple[BlockHash, list[int]]] = field(default_factory=list)
+    probe: list[tuple[BlockHash, tuple[int, ...]]] = field(default_factory=list)
     depth: int = 0  # blocks the group's jobs were seen to share (largest hit)
     blocks: int = 0  # of those, cached at the last probe
     jobs: int = 0
@@ -91,15 +91,15 @@ class Group:
         )  # fmt: skip
 
 
-def _probe_of(token_ids: list[int], block_size: int) -> list[tuple[BlockHash, list[int]]]:
+def _probe_of(token_ids: list[int], block_size: int) -> list[tuple[BlockHash, tuple[int, ...]]]:
     """Block hashes (as the scheduler chains them, no salt) of a prompt's full blocks but the
-    last token's."""
-    out: list[tuple[BlockHash, list[int]]] = []
+    last token's, each with its tokens (a tuple: what the pool's lookup compares)."""
+    out: list[tuple[BlockHash, tuple[int, ...]]] = []
     parent: BlockHash | None = None
     for i in range((len(token_ids) - 1) // block_size):
         toks = token_ids[i * block_size : (i + 1) * block_size]
         parent = hash_block(parent, toks, None)
-        out.append((parent, toks))
+        out.append((parent, tuple(toks)))
     return out
 
 
@@ -211,9 +211,10 @@ class PrefixAdmission:
         if not g.probe:
             g.probe = _probe_of(out.prompt_token_ids, bs)
 
-    def _update(self) -> None:
+    def _update(self, full: bool = False) -> None:
         """Pilots whose prefill is done, jobs that ended without ``finished``, cache probes, and
-        groups to drop."""
+        groups to drop. Every admission round runs this over every group, so its probe is cheap
+        (is the first block still cached?); the heartbeat's (``full``) counts the blocks."""
         for g in list(self.groups.values()):
             for jid in [j for j in g.running if j not in self.jobs]:
                 self.finished(jid, None)
@@ -222,13 +223,21 @@ class PrefixAdmission:
                 if st is not None and st.latest is not None and not g.probe:
                     g.probe = _probe_of(st.latest.prompt_token_ids, self._block_size())
                 g.pilot = None
-            g.blocks = self._cached_blocks(g)
+            g.blocks = self._cached_blocks(g) if full else self._still_cached(g)
 
-    def _cached_blocks(self, g: Group) -> int:
+    def _still_cached(self, g: Group) -> int:
+        """``g.blocks`` as of the last count while the group's first block stays cached (a
+        count that went stale is corrected by the next heartbeat), 0 once it is gone, a new
+        count when it came back."""
+        if not self._cached_blocks(g, limit=1):
+            return 0
+        return g.blocks or self._cached_blocks(g)
+
+    def _cached_blocks(self, g: Group, limit: int = 0) -> int:
         pool = self._pool()
         if pool is None:
             return 0
-        limit = g.depth or len(g.probe)
+        limit = min(limit or len(g.probe), g.depth or len(g.probe))
         n = 0
         for h, toks in g.probe[:limit]:
             if pool.lookup(h, toks) is None:
@@ -240,7 +249,7 @@ class PrefixAdmission:
     def refresh(self, store: JobStore, consumer: str) -> None:
         """Extend the affinities of groups still cached or running here; release the others."""
         self._log_rounds()
-        self._update()
+        self._update(full=True)
         keep, drop = [], self._released
         self._released = []
         for g in self.groups.values():
