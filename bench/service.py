@@ -10,8 +10,9 @@ tokens per second of each (medians and per round), the per-round ratios and thei
 first streamed token on an idle worker, and the 1-minute load average.
 
 Usage: ``python -m bench.service [--model DIR|FILE.gguf | --preset tiny|bench|smollm2]
-[--requests 96] [--rounds 3] [--baseline-tree DIR]`` (without ``--model`` the tiny or bench
-checkpoint is built into a temporary directory; ``smollm2`` is the embedded default model).
+[--requests 96] [--rounds 3] [--baseline-tree DIR] [--worker-flags "..."]`` (without
+``--model`` the tiny or bench checkpoint is built into a temporary directory; ``smollm2`` is the
+embedded default model).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -188,6 +190,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (seed + round)")
     ap.add_argument("--baseline-tree", type=Path, default=None,
                     help="also run a worker from this source tree, alternating (A/B)")  # fmt: skip
+    ap.add_argument("--worker-flags", default="",
+                    help="extra flags for the service worker only (an A/B of a flag, with "
+                         "--baseline-tree set to this tree)")  # fmt: skip
     ap.add_argument("--threads", type=int, default=1, help="torch threads (both runs)")
     ap.add_argument("--kv-cache-memory", type=int, default=256 << 20)
     ap.add_argument("--max-num-seqs", type=int, default=256)
@@ -260,7 +265,8 @@ def main(argv: list[str] | None = None) -> None:
             if system == "baseline" and tree is None:
                 continue
             url = stack.enter_context(LocalRedisServer()).url
-            proc = start_worker(url, model, args, work / f"{system}.log", tree=tree)
+            extra = tuple(shlex.split(args.worker_flags)) if system == "service" else ()
+            proc = start_worker(url, model, args, work / f"{system}.log", extra, tree=tree)
             stack.callback(proc.wait, 60)
             stack.callback(proc.terminate)
             workers[system] = (url, proc.pid)

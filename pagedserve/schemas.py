@@ -118,7 +118,7 @@ class JobRequest(BaseModel):
             return v
         if len(v) == 0:
             raise ValueError("prompt must not be empty")
-        if isinstance(v, list) and any(t < 0 for t in v):
+        if isinstance(v, list) and min(v) < 0:
             raise ValueError("prompt token ids must be non-negative")
         if isinstance(v, str):
             if len(v) > MAX_PROMPT_CHARS:

@@ -245,3 +245,36 @@ def test_loop_drops_a_job_only_for_its_own_fence_and_fails_refused_writes(
     assert rec.error is not None and rec.error.startswith(WRITE_FAILED)
     assert client.status(good) == JobStatus.SUCCEEDED
     assert w.writer.close(5)
+
+
+def test_bulk_jobs_progress_is_written_at_its_own_interval(
+    make_worker: Any, redis_url: str, engine: Engine
+) -> None:
+    """Interactive jobs stream at ``progress_interval_ms``; bulk jobs write their first token at
+    once, then their deltas only every ``bulk_progress_interval_ms``; both end complete."""
+    store = JobStore(redis_url, lease_ms=60_000)
+    cfg = ServiceConfig(
+        worker_id="w", redis_url=redis_url, progress_interval_ms=1, bulk_progress_interval_ms=60_000
+    )
+    w = make_worker(engine, store, cfg)
+    client = Client(redis_url)
+    long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    fast, bulk = client.submit([5, 6, 7], long), client.submit([5, 6, 7], long, priority="bulk")
+
+    def generated(jid: str) -> int:
+        st = w.jobs.get(jid)
+        return 0 if st is None or st.latest is None else len(st.latest.outputs[0].token_ids)
+
+    loop_until(w, lambda: min(generated(fast), generated(bulk)) >= 40)
+    assert w.writer.flush(10)
+    recs = {r.id: r for r in client.store.get_many([fast, bulk]) if r is not None}
+    assert recs[fast].tokens_generated >= 30  # written as it went
+    assert 1 <= recs[bulk].tokens_generated <= 2  # the first token, at once; no more yet
+    assert [e.type for e in events(store, bulk)].count("delta") == 1
+    loop_until(w, lambda: all(s.terminal for s in client.store.statuses([fast, bulk])))
+    for jid in (fast, bulk):  # the final write carries everything
+        rec = client.get(jid)
+        assert rec is not None and rec.status == JobStatus.SUCCEEDED and rec.tokens_generated == 200
+        assert rec.result is not None
+        assert accumulate(events(store, jid)).token_ids[0] == rec.result.completions[0].token_ids
+    assert w.writer.close(5)

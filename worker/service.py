@@ -7,9 +7,10 @@ One iteration of the loop:
    interactive before bulk), reclaim entries of dead workers (XAUTOCLAIM), renew the leases of
    running jobs, publish the heartbeat.
 2. ``engine.step()`` when the engine has work.
-3. The step's writes (every job's deltas once per ``progress_interval_s``, a first token at once;
-   final writes) go to ``worker.writer``, whose thread sends them with the cancel-set drain while
-   the loop steps on; Redis's answers come back (cancelled and lost jobs are aborted at once).
+3. The step's writes (each job's deltas once per ``progress_interval_s``, or
+   ``bulk_progress_interval_s`` for bulk jobs; a first token at once; final writes) go to
+   ``worker.writer``, whose thread sends them with the cancel-set drain while the loop steps
+   on; Redis's answers come back (cancelled and lost jobs are aborted at once).
 
 Redis errors never stop the loop: the engine keeps stepping, the writer merges progress per job,
 keeps final writes and retries Redis with backoff. Nothing one job carries stops it either: a
@@ -33,7 +34,7 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -91,7 +92,8 @@ class Worker:
         self.unsent_progress: list[Progress] = []
         self.writer = Writer(store, cfg.worker_id, cfg.cancel_poll_s)
         self.urgent: list[JobState] = []  # to flush at the next step (first token, replay)
-        self.next_flush = 0.0  # when every job's progress is flushed next
+        self.next_flush = 0.0  # when the interactive jobs' progress is flushed next
+        self.next_bulk_flush = 0.0  # ... and the bulk jobs' too
         self.draining = False
         self.drain_deadline = float("inf")
         self.guard = RedisGuard(store)
@@ -267,15 +269,15 @@ class Worker:
                 self.urgent.append(st)
             if out.finished:
                 self._finish(st, out)
+        flush = [st for st in self.urgent if jobs.get(st.lease.job_id) is st]
+        self.urgent = []
         now = time.monotonic()
         if now >= self.next_flush:
             self.next_flush = now + self.cfg.progress_interval_s
-            flush: Iterable[JobState] = jobs.values()
-        elif self.urgent:
-            flush = [st for st in self.urgent if jobs.get(st.lease.job_id) is st]
-        else:
-            return
-        self.urgent = []
+            every = now >= self.next_bulk_flush
+            if every:
+                self.next_bulk_flush = now + self.cfg.bulk_progress_interval_s
+            flush += [st for st in jobs.values() if every or st.lease.priority != "bulk"]
         for st in flush:
             self.unsent_progress += st.take_progress()
 

@@ -41,7 +41,14 @@ class ServiceConfig:
         default=30.0, metadata=opt("on SIGTERM: seconds to finish running jobs, then requeue")
     )
     progress_interval_ms: float = field(
-        default=50.0, metadata=opt("at most one progress write per job per this many ms")
+        default=50.0,
+        metadata=opt("at most one progress write per interactive job per this many ms"),
+    )
+    # Bulk jobs (batch files, submit_many) are rarely streamed: their deltas and token counts are
+    # written this often (their first token at once, as for every job). At fast steps the
+    # progress writes of a full batch were the worker's largest Redis cost (bench.service).
+    bulk_progress_interval_ms: float = field(
+        default=500.0, metadata=opt("at most one progress write per bulk job per this many ms")
     )
     heartbeat_s: float = 1.0
     idle_block_ms: int = 100  # blocking claim when the engine is idle
@@ -93,6 +100,10 @@ class ServiceConfig:
     @property
     def progress_interval_s(self) -> float:
         return self.progress_interval_ms / 1e3
+
+    @property
+    def bulk_progress_interval_s(self) -> float:
+        return max(self.bulk_progress_interval_ms, self.progress_interval_ms) / 1e3
 
     @property
     def renew_interval_s(self) -> float:
