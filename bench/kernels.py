@@ -12,7 +12,10 @@ project benchmarks):
   private tokens each, the cascade path against every sequence reading the shared blocks itself
   (``gathered_ms``: through the C kernel when it is built, else gathered in torch);
 * the machine's memcpy bandwidth (bytes read per second while copying a buffer the size of the
-  decode K/V), measured alongside, since the machine is shared and its bandwidth drifts.
+  decode K/V) and its read bandwidth (a sum over such a buffer: ``read_gbps``; the decode's
+  ``fraction_of_read`` is the K/V read rate over it), measured alongside, since the machine is
+  shared and its bandwidth drifts. A K/V that fits the last-level cache is read from there by
+  both, so the fraction compares like with like.
 
 With ``--triton`` (CUDA only) it times the Triton decode instead: batch 64 and 256, contexts 1k
 and 4k, bf16, 32 / 8 / 128 heads, against a device-to-device copy of the same number of bytes.
@@ -55,6 +58,12 @@ def memcpy_gbps(num_bytes: int, repeats: int) -> float:
     return num_bytes / median_seconds(lambda: dst.copy_(src), repeats) / 1e9
 
 
+def read_gbps(num_bytes: int, repeats: int) -> float:
+    """Memory-read bandwidth on a buffer as large as the K/V read (a sum: reads, no writes)."""
+    src = torch.randn(num_bytes // 4)
+    return num_bytes / median_seconds(src.sum, repeats) / 1e9
+
+
 @dataclass
 class DecodeResult:
     batch: int
@@ -67,6 +76,8 @@ class DecodeResult:
     ratio_vs_dense: float
     memcpy_gbps: float
     fraction_of_memcpy: float
+    read_gbps: float
+    fraction_of_read: float  # the issue's measure: K/V read rate over the machine's read rate
 
 
 def bench_decode(batch: int, ctx: int, repeats: int) -> DecodeResult:
@@ -99,6 +110,7 @@ def bench_decode(batch: int, ctx: int, repeats: int) -> DecodeResult:
     )
     kv_bytes = 2 * batch * ctx * NUM_KV_HEADS * HEAD_DIM * 4
     copy = memcpy_gbps(kv_bytes, repeats)
+    read = read_gbps(kv_bytes, repeats)
     gbps = kv_bytes / ours / 1e9
     return DecodeResult(
         batch=batch,
@@ -111,6 +123,8 @@ def bench_decode(batch: int, ctx: int, repeats: int) -> DecodeResult:
         ratio_vs_dense=round(ours / dense, 3),
         memcpy_gbps=round(copy, 2),
         fraction_of_memcpy=round(gbps / copy, 3),
+        read_gbps=round(read, 2),
+        fraction_of_read=round(gbps / read, 3),
     )
 
 
