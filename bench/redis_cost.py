@@ -105,7 +105,10 @@ def run_once(model: Path, args: argparse.Namespace, interval_ms: float, work: Pa
     vocab, _ = model_numbers(model)
     wl = make_mixed(args.requests, vocab, args.seed)
     with LocalRedisServer() as server:
-        extra = ("--progress-interval-ms", str(interval_ms))
+        # The jobs are bulk ones: the interval measured applies to them too (their own default,
+        # --bulk-progress-interval-ms, is longer).
+        extra = ("--progress-interval-ms", str(interval_ms),
+                 "--bulk-progress-interval-ms", str(interval_ms))  # fmt: skip
         proc = start_worker(server.url, model, args, work / f"worker-{interval_ms}.log", extra)
         try:
             r = redis.Redis.from_url(server.url, decode_responses=True)
