@@ -11,6 +11,7 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import IntEnum
+from itertools import repeat
 
 BlockHash = bytes
 
@@ -48,6 +49,10 @@ class BlockState(IntEnum):
     IN_USE = 1  # reference count 1
     CACHED = 2  # reference count 0 but holding a reusable prefix (evictable)
     SHARED = 3  # reference count >= 2
+
+
+#: Reference count (0..255) -> state code, for ``bytes.translate``.
+_REF_STATES = bytes([BlockState.FREE, BlockState.IN_USE] + [BlockState.SHARED] * 254)
 
 
 @dataclass(slots=True)
@@ -186,19 +191,20 @@ class BlockPool:
 
     # --------------------------------------------------------------- snapshot
     def occupancy(self) -> PoolOccupancy:
-        states = bytearray([BlockState.FREE]) * self.num_blocks
-        s_shared, s_in_use, s_cached = BlockState.SHARED, BlockState.IN_USE, BlockState.CACHED
-        in_use = shared = cached = 0
-        for b, ref in enumerate(self.ref_counts):
-            if ref >= 2:
-                states[b] = s_shared
-                shared += 1
-                in_use += 1
-            elif ref == 1:
-                states[b] = s_in_use
-                in_use += 1
-            elif self._hash_of[b] is not None:
-                states[b] = s_cached
+        """The pool's snapshot. The heartbeat takes one a second: the per-block pass runs in C
+        (reference counts as bytes, clamped to 255, translated to state codes); only cached
+        blocks are visited in Python. (A Python loop over every block took ~5 ms at 32k.)"""
+        try:
+            refs = bytes(self.ref_counts)  # every count below 256: the usual case
+        except ValueError:
+            refs = bytes(map(min, self.ref_counts, repeat(255)))
+        states = bytearray(refs.translate(_REF_STATES))
+        in_use = self.num_blocks - refs.count(0)
+        shared = in_use - refs.count(1)
+        cached = 0
+        for b in self._cached.values():  # holding a reusable prefix: cached when unreferenced
+            if refs[b] == 0:
+                states[b] = BlockState.CACHED
                 cached += 1
         return PoolOccupancy(
             num_blocks=self.num_blocks,
