@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from scheduler.block_pool import BlockState
 from scheduler.scheduler import Scheduler, SchedulerConfig, SequenceRejected
 from scheduler.sequence import FinishReason, SequenceStatus, StopConditions
 
@@ -146,6 +147,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert pool.num_free + in_use == pool.num_blocks
         for b in pool._free:
             assert pool.ref_counts[b] == 0, "a free block is referenced"
+        # The snapshot's per-block states, block by block from the counts and the prefix table.
+        occ = pool.occupancy()
+        expected = bytes(
+            BlockState.SHARED if r >= 2 else BlockState.IN_USE if r == 1
+            else BlockState.CACHED if pool._hash_of[b] is not None else BlockState.FREE
+            for b, r in enumerate(pool.ref_counts)
+        )  # fmt: skip
+        assert occ.block_states == expected
+        assert occ.in_use == in_use and occ.shared == sum(r >= 2 for r in pool.ref_counts)
+        assert occ.cached_evictable == expected.count(BlockState.CACHED)
 
     @invariant()
     def ref_counts_match_tables(self) -> None:
