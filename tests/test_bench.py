@@ -220,3 +220,19 @@ def test_compare_models_runs_an_ab_against_a_base_checkout(tiny_model_dir: Path)
     pairs = zip(ours["runs_output_tok_s"], base["runs_output_tok_s"], strict=True)
     assert row["paired_ratios"]["ours/base"] == [round(a / b, 2) for a, b in pairs]
     assert row["ratios"]["ours/base"] == round(ours["output_tok_s"] / base["output_tok_s"], 2)
+
+
+def test_gemm_libs_times_every_library_on_checked_products(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from bench import gemm_libs
+
+    gemm_libs.main(["--models", "bench", "--rows", "8", "--cold-rows", "8", "--layers", "2",
+                    "--threads", "1", "--min-seconds", "0.01"])  # fmt: skip
+    rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    hot = rec["models"]["bench"]["hot_gflops"]
+    assert set(hot) == {"qkv.8", "o.8", "gate_up.8", "down.8"}
+    for figures in hot.values():
+        assert figures["mkl"] > 0 and figures["onednn_plain"] > 0
+        assert figures["best"] in gemm_libs.LIBRARIES
+    assert all(v > 0 for v in rec["models"]["bench"]["cold_pass"]["8"].values())

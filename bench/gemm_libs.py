@@ -1,0 +1,126 @@
+"""Projection GEMMs per library and shape: MKL (``F.linear``) against our oneDNN path (packed and
+plain weights), at the row counts an engine step has, hot and cold. Prints one JSON line.
+
+Why: which library is faster depends on the CPU and the shape (on the AMD machines of earlier
+sessions oneDNN won most decode shapes by 1.5-2x; on an Intel Xeon it did not everywhere), so
+the choice is measured, not assumed. ``hot``: one weight, timed in a loop (it sits in the
+cache); ``cold``: every projection of ``--layers`` layers with distinct weights in turn, as a
+decode step reads them (larger than the last-level cache for SmolLM2's 30 layers). GFLOP/s
+count 2 x rows x out x in per product; every path's result is checked against ``F.linear``.
+
+    python -m bench.gemm_libs [--models bench,smollm2] [--rows 8,16,48,96,256,1024,2048]
+        [--layers 30] [--threads 2] [--min-seconds 0.25]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from bench.common import emit
+from worker.models.layers import linear, pack_weight
+
+#: Projection shapes (out, in) of the fused qkv, o, fused gate/up and down products.
+MODELS: dict[str, dict[str, tuple[int, int]]] = {
+    "bench": {"qkv": (1024, 512), "o": (512, 512), "gate_up": (3072, 512), "down": (512, 1536)},
+    "smollm2": {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)},
+}
+LIBRARIES = ("mkl", "onednn_packed", "onednn_plain")
+
+
+def best_seconds(fn: Callable[[], object], min_seconds: float) -> float:
+    for _ in range(2):
+        fn()
+    best, deadline = float("inf"), time.perf_counter() + min_seconds
+    while True:
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+        if time.perf_counter() >= deadline:
+            return best
+
+
+def products(weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """Each library's ``x -> x @ weight.T``."""
+    packed = pack_weight(weight)
+    out: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+        "mkl": lambda x: F.linear(x, weight),
+        "onednn_plain": lambda x: linear(x, weight),
+    }
+    if packed is not None:
+        out["onednn_packed"] = lambda x: linear(x, packed)
+    return out
+
+
+def check(fns: dict[str, Callable[[torch.Tensor], torch.Tensor]], weight: torch.Tensor) -> None:
+    x = torch.randn(5, weight.shape[1])
+    want = F.linear(x, weight)
+    for name, fn in fns.items():
+        torch.testing.assert_close(fn(x), want, atol=1e-4, rtol=1e-4, msg=name)
+
+
+def hot(model: str, rows: list[int], min_s: float) -> dict[str, dict[str, float]]:
+    got: dict[str, dict[str, float]] = {}
+    for proj, (n, k) in MODELS[model].items():
+        weight = torch.randn(n, k)
+        fns = products(weight)
+        check(fns, weight)
+        for m in rows:
+            x = torch.randn(m, k)
+            gf = {lib: 2 * m * n * k / best_seconds(lambda f=f, x=x: f(x), min_s) / 1e9
+                  for lib, f in fns.items()}  # fmt: skip
+            got[f"{proj}.{m}"] = {lib: round(v, 1) for lib, v in gf.items()}
+            got[f"{proj}.{m}"]["best"] = max(gf, key=gf.__getitem__)  # type: ignore[assignment]
+    return got
+
+
+def cold(model: str, rows: list[int], layers: int, min_s: float) -> dict[str, dict[str, float]]:
+    """Milliseconds for one pass over every projection of ``layers`` layers."""
+    shapes = MODELS[model]
+    per_layer = [{p: products(torch.randn(n, k)) for p, (n, k) in shapes.items()}
+                 for _ in range(layers)]  # fmt: skip
+    got: dict[str, dict[str, float]] = {}
+    for m in rows:
+        xs = {p: torch.randn(m, k) for p, (_, k) in shapes.items()}
+        got[str(m)] = {}
+        for lib in LIBRARIES:
+            if lib not in per_layer[0]["qkv"]:
+                continue
+
+            def one_pass(lib: str = lib, xs: dict[str, torch.Tensor] = xs) -> None:
+                for layer in per_layer:
+                    for p, fns in layer.items():
+                        fns[lib](xs[p])
+
+            got[str(m)][f"{lib}_ms"] = round(best_seconds(one_pass, min_s) * 1e3, 2)
+    return got
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--models", default="bench,smollm2")
+    ap.add_argument("--rows", default="8,16,48,96,256,1024,2048")
+    ap.add_argument("--cold-rows", default="16,48,96")
+    ap.add_argument("--layers", type=int, default=30, help="layers of the cold pass")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--min-seconds", type=float, default=0.25, help="per timing")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rows = [int(x) for x in args.rows.split(",") if x]
+    cold_rows = [int(x) for x in args.cold_rows.split(",") if x]
+    models = {
+        model: {
+            "hot_gflops": hot(model, rows, args.min_seconds),
+            "cold_pass": cold(model, cold_rows, args.layers, args.min_seconds),
+        }
+        for model in [m for m in args.models.split(",") if m]
+    }
+    emit("gemm_libs", {"threads": args.threads, "layers": args.layers, "models": models})
+
+
+if __name__ == "__main__":
+    main()
