@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 #: CPU flags that decide our matmul and attention speed (and so compare runs across machines).
-CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile")
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile")
 
 
 def cpu_info() -> dict[str, Any]:
