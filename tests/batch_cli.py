@@ -11,6 +11,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from tests.fixtures.procs import stop_process
+
 
 def run_cli_batch(
     tmp_path: Path, model: str, env: Mapping[str, str], connection: Sequence[str], n: int,
@@ -44,9 +46,4 @@ def run_cli_batch(
         assert all(o["response"]["status_code"] == 200 for o in out)
         return batch
     finally:
-        plane.terminate()
-        try:
-            plane.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            plane.kill()
-            plane.wait()
+        stop_process(plane, 15)

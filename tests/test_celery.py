@@ -22,6 +22,7 @@ from pagedserve.schemas import Completion, JobResult
 from pagedserve.store import Finish, JobStore
 from stack.celery_app import make_app
 
+from .fixtures.procs import stop_process
 from .fixtures.redis_server import REDIS_BINARY
 
 MODEL = "tiny"
@@ -54,12 +55,7 @@ def app(server: LocalRedisServer, tmp_path_factory: pytest.TempPathFactory) -> I
             assert time.monotonic() < deadline, "celery worker did not start"
         yield a
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, 10)
 
 
 class PlayWorker:
