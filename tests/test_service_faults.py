@@ -105,14 +105,18 @@ def test_sigterm_drains_running_jobs(
     redis_url: str, model_dir: Path, start_worker: StartWorker
 ) -> None:
     client = Client(redis_url)
-    w = start_worker(redis_url, model_dir, "w", "--grace-s", "30")
+    w = start_worker(redis_url, model_dir, "w", "--grace-s", "30", "--log-level", "INFO")
     params = {"max_tokens": 200, "temperature": 0, "ignore_eos": True}
     ids = client.submit_many([f"drain {i}" for i in range(4)], params)
     wait_for(lambda: all(s == "running" for s in client.store.statuses(ids)), what="running")
     w.terminate()
     queued_later = client.submit("submitted while draining", SHORT)
     assert w.wait(timeout=60) == 0
-    recs = client.wait_many(ids, timeout=1)
+    try:
+        recs = client.wait_many(ids, timeout=1)
+    except TimeoutError as e:  # a rare failure seen in CI: say what each job and the worker did
+        jobs = {j: client.r.hgetall(client.keys.job(j)) for j in ids}
+        raise AssertionError(f"{e}\njobs: {jobs}\nworker log:\n{w.log()}") from e
     assert all(r.status == JobStatus.SUCCEEDED for r in recs)
     assert all(r.result and r.result.completion_tokens == 200 for r in recs)
     assert client.status(queued_later) == JobStatus.QUEUED
