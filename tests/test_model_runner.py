@@ -72,7 +72,7 @@ def _probe(code: str, model_dir: Path, variable: str, setting: str | None) -> li
     if setting is not None:
         env[variable] = setting
     out = subprocess.run(
-        [sys.executable, "-c", code, str(model_dir)],
+        [sys.executable, "-c", code, str(model_dir), "-"],
         env=env, capture_output=True, text=True, check=True,
         cwd=Path(__file__).parent.parent,
     )  # fmt: skip
@@ -81,11 +81,16 @@ def _probe(code: str, model_dir: Path, variable: str, setting: str | None) -> li
 
 _HUGE_PAGES_PROBE = """
 import os, sys
+import worker.engine, worker.llm, worker.service  # what the worker and LLM import first
+if sys.argv[2] == "allocated-first":
+    import torch
+    torch.zeros(4)  # torch reads its huge-page switch now, before the runner sets it
+from worker.cpu_memory import huge_pages_in_effect
 from worker.model_runner import ModelRunner
 from worker.outputs import EngineConfig
 runner = ModelRunner(sys.argv[1], EngineConfig(kv_cache_memory=64 << 20))
 huge = [l for l in open('/proc/self/smaps_rollup') if l.startswith('AnonHugePages')]
-print(os.environ.get('THP_MEM_ALLOC_ENABLE'), int(huge[0].split()[1]))
+print(os.environ.get('THP_MEM_ALLOC_ENABLE'), int(huge[0].split()[1]), huge_pages_in_effect())
 """
 
 
@@ -94,14 +99,30 @@ print(os.environ.get('THP_MEM_ALLOC_ENABLE'), int(huge[0].split()[1]))
 def test_cpu_runner_asks_for_huge_pages_unless_told_not_to(
     make_tiny_model, setting: str | None
 ) -> None:
-    """The KV cache (64 MiB here) and large weights land on 2 MiB pages by default."""
-    value, huge_kib = _probe(
+    """The KV cache (64 MiB here) and large weights land on 2 MiB pages by default, with the
+    engine's modules imported first (a module-level tensor in one of them once turned this off
+    for every worker)."""
+    value, huge_kib, in_effect = _probe(
         _HUGE_PAGES_PROBE, make_tiny_model("llama"), "THP_MEM_ALLOC_ENABLE", setting
     )
     if setting is None:
-        assert value == "1" and int(huge_kib) >= 32 * 1024
+        assert value == "1" and int(huge_kib) >= 32 * 1024 and in_effect == "True"
     elif _thp_mode() == "madvise":
-        assert value == "0" and int(huge_kib) == 0
+        assert value == "0" and int(huge_kib) == 0 and in_effect == "False"
+
+
+@pytest.mark.skipif(_thp_mode() != "madvise", reason="needs the kernel's madvise THP mode")
+def test_runner_warns_when_torch_read_the_huge_page_switch_too_early(make_tiny_model) -> None:
+    """A CPU tensor allocated before the runner: torch has read its switch unset, the runner
+    cannot turn huge pages on any more, and says so."""
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    out = subprocess.run(
+        [sys.executable, "-c", _HUGE_PAGES_PROBE, str(make_tiny_model("llama")), "allocated-first"],
+        env=env, capture_output=True, text=True, check=True, cwd=Path(__file__).parent.parent,
+    )  # fmt: skip
+    value, huge_kib, in_effect = out.stdout.split()
+    assert value == "1" and int(huge_kib) == 0 and in_effect == "False"
+    assert "transparent huge pages are not in effect" in out.stderr
 
 
 _MALLOC_PROBE = """

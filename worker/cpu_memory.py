@@ -14,6 +14,7 @@ import logging
 import os
 import platform
 from dataclasses import dataclass
+from pathlib import Path
 
 from pagedserve.settings import HUGE_PAGES, MALLOC_TUNING, PREPACK_WEIGHTS
 
@@ -48,6 +49,54 @@ def enable_huge_pages() -> None:
     load; a value already set (``0`` to opt out) is left alone.
     """
     os.environ.setdefault(THP_ENV, HUGE_PAGES.default)
+
+
+def thp_mode() -> str | None:
+    """The kernel's transparent-huge-page mode (``always``, ``madvise``, ``never``), or None."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    chosen = [w[1:-1] for w in text.split() if w.startswith("[")]
+    return chosen[0] if chosen else None
+
+
+def _vm_flags(addr: int) -> list[str] | None:
+    """The ``VmFlags`` of this process's mapping that holds ``addr`` (``/proc/self/smaps``)."""
+    try:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+    except OSError:
+        return None
+    inside = False
+    for line in lines:
+        head = line.split(" ", 1)[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    return None
+
+
+def huge_pages_in_effect() -> bool | None:
+    """Whether torch's large CPU allocations get transparent huge pages now: with the kernel in
+    ``madvise`` mode, a fresh 4 MiB tensor's mapping must carry the ``hg`` (MADV_HUGEPAGE) flag.
+    None where it cannot be told or does not apply (no THP, mode ``never``, not Linux).
+
+    Why a check: torch reads its switch once, at its first CPU allocation of any size. A
+    module-level tensor imported before the runner set it (one in ``worker.structured`` did)
+    silently turned huge pages off for every worker: the bench model's decode ran ~6% slower
+    with nobody noticing. The runner now logs a warning when it happens."""
+    mode = thp_mode()
+    if mode is None or mode == "never":
+        return None
+    if mode == "always":
+        return True
+    import torch
+
+    probe = torch.empty(1 << 20, dtype=torch.float32)  # 4 MiB: above torch's 2 MiB threshold
+    flags = _vm_flags(probe.data_ptr())
+    return None if flags is None else "hg" in flags
 
 
 @dataclass(frozen=True)
@@ -86,6 +135,18 @@ def keep_freed_memory() -> MallocTuning:
         log.warning("mallopt refused the CPU worker's malloc settings; running with glibc defaults")
         return MallocTuning(False, "mallopt refused")
     return MallocTuning(True, "mmap threshold 32 MiB, heap trimmed past 2 GiB free")
+
+
+def warn_without_huge_pages() -> bool | None:
+    """Log a warning when huge pages were asked for (the switch is 1) and are not in effect."""
+    got = huge_pages_in_effect()
+    if got is False and os.environ.get(THP_ENV) == "1":
+        log.warning(
+            "transparent huge pages are not in effect: torch read %s before it was set (a CPU "
+            "tensor was allocated first); set %s=1 in the environment that starts this process "
+            "(weights and KV cache then run ~5%% faster)", THP_ENV, THP_ENV,
+        )  # fmt: skip
+    return got
 
 
 def configure_cpu_process() -> MallocTuning:

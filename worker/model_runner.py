@@ -16,7 +16,7 @@ import torch
 
 from kernels import AttentionMetadata, get_backend
 from scheduler.output import SchedulerOutput
-from worker.cpu_memory import configure_cpu_process, prepack_enabled
+from worker.cpu_memory import configure_cpu_process, prepack_enabled, warn_without_huge_pages
 from worker.loader import load_model
 from worker.models.decoder import CausalLM
 from worker.outputs import EngineConfig
@@ -67,6 +67,7 @@ class ModelRunner:
         if torch.device(config.device).type == "cpu":
             tuning = configure_cpu_process()
             log.info("CPU malloc settings: %s", tuning.reason)
+            warn_without_huge_pages()
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)

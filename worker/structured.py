@@ -134,9 +134,10 @@ class GrammarState:
                 break
 
 
-#: Shifts that move bit j of a bitmask word to the sign bit (then >> 31 spreads it).
-_SHIFTS = 31 - torch.arange(32, dtype=torch.int32)
-_SHIFTS_NP = _SHIFTS.numpy()
+#: Shifts that move bit j of a bitmask word to the sign bit (then >> 31 spreads it). A NumPy
+#: array, not a tensor: a module-level torch allocation at import made torch read its huge-page
+#: switch before the model runner set it (see ``worker.cpu_memory.enable_huge_pages``).
+_SHIFTS_NP = 31 - np.arange(32, dtype=np.int32)
 #: float32 -inf as int32 bits (0xFF800000).
 _NEG_INF_BITS = -8388608
 
@@ -156,7 +157,7 @@ def mask_rows(rows: torch.Tensor, bitmask: torch.Tensor) -> None:
         bits &= keep
         bits |= ~keep & _NEG_INF_BITS
         return
-    words = (bitmask.unsqueeze(-1) << _SHIFTS.to(bitmask.device)) >> 31
+    words = (bitmask.unsqueeze(-1) << torch.from_numpy(_SHIFTS_NP).to(bitmask.device)) >> 31
     rows.masked_fill_(words.view(n, -1)[:, :vocab] == 0, float("-inf"))
 
 
