@@ -114,12 +114,17 @@ static inline void ps_scores8x2(const float *q0, const float *q1, const float *k
  * Why: a row's blocks lie anywhere in the pool, so the hardware prefetchers, which follow
  * sequential streams within a page, stall at every block's start. Requesting block b + 1
  * while block b is computed keeps each thread's misses in flight (most of the gain in the
- * header's figures). Two blocks ahead, or into L2 only, measured slower. */
+ * header's figures). Into L2 (prefetcht1), not L1: an L1 prefetch holds one of the core's few
+ * L1 miss buffers until its line arrives, so a block's worth of them (256 lines) stalled the
+ * loads of the block being computed; L2 tracks many more misses. Measured on a Zen 4 EPYC
+ * (harness in bench/README.md, 2 threads, 4 shapes x 2 sizes): 1.2-1.5x the L1 version's K/V
+ * rate alone, 1.2-2.1x with the key prefetches spread over the heads' score passes (below).
+ * Two blocks ahead measured no better. */
 static inline void ps_prefetch_rows(const float *base, int64_t n, int64_t token_stride,
                                     int64_t off, int64_t len) {
     for (int64_t t = 0; t < n; ++t)
         for (int64_t d = 0; d < len; d += 16)
-            __builtin_prefetch(base + t * token_stride + off + d, 0, 3);
+            __builtin_prefetch(base + t * token_stride + off + d, 0, 2);
 }
 
 /* One decode row, heads h0..h1-1: each block's keys (then values) are one contiguous
@@ -167,15 +172,32 @@ static inline __attribute__((always_inline)) void ps_decode_row_impl(
          * head of the task against them while they are in L1 */
         for (int64_t c = c0; c < c1; c += PS_LANES) {
             const float *kc = kb + c * token_stride;
-            if (has_next)
-                ps_prefetch_rows(kn + c * token_stride, PS_LANES, token_stride, pf_off, pf_len);
+            /* the next block's matching 8 key rows, asked for a row or two per head pass (not
+             * all at once: a burst of requests waits for free miss buffers) */
+            const float *knc = kn + c * token_stride;
+            int64_t asked = has_next ? 0 : PS_LANES;
             if (G == 2)
-                for (int64_t i = 0; i < nh; i += 2)
+                for (int64_t i = 0; i < nh; i += 2) {
+                    if (asked < PS_LANES) {
+                        ps_prefetch_rows(knc + asked * token_stride, 2, token_stride, pf_off,
+                                         pf_len);
+                        asked += 2;
+                    }
                     ps_scores8x2(q[i], q[i + 1], kc + ((h0 + i) / G) * D, token_stride, D,
                                  &s[i][c], &s[i + 1][c]);
+                }
             else
-                for (int64_t i = 0; i < nh; ++i)
+                for (int64_t i = 0; i < nh; ++i) {
+                    if (asked < PS_LANES) {
+                        ps_prefetch_rows(knc + asked * token_stride, 1, token_stride, pf_off,
+                                         pf_len);
+                        asked += 1;
+                    }
                     *(v8sf *)&s[i][c] = ps_scores8(q[i], kc + ((h0 + i) / G) * D, token_stride, D);
+                }
+            if (asked < PS_LANES) /* fewer heads than rows: the rest now */
+                ps_prefetch_rows(knc + asked * token_stride, PS_LANES - asked, token_stride,
+                                 pf_off, pf_len);
         }
         for (int64_t i = 0; i < nh; ++i) {
             float bmax = s[i][t0];
