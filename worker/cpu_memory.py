@@ -43,10 +43,13 @@ def enable_huge_pages() -> None:
 
     Weights (~110 MB for the bench model) and the KV cache are re-read every step, in 4 KiB
     pages a TLB miss every few rows; with ``THP_MEM_ALLOC_ENABLE=1`` torch aligns large
-    allocations to 2 MiB and ``madvise``s them: +6% on the bench's mixed run on 2 EPYC cores
-    (interleaved A/B, 2 runs each; ``/sys/kernel/mm/transparent_hugepage/enabled`` = madvise). torch
-    reads the variable once, at its first large allocation, so this must run before the weights
-    load; a value already set (``0`` to opt out) is left alone.
+    allocations to 2 MiB and ``madvise``s them (``/sys/kernel/mm/transparent_hugepage/enabled`` =
+    madvise): +6% on the bench's mixed run on 2 EPYC cores when added (interleaved A/B, 2 runs
+    each); restored later after a silent loss (below), A/B on a Zen 4 EPYC: bench model uniform
+    1.06 (paired 1.03-1.07), mixed 0.97 (0.96-0.99), SmolLM2 0.99 / 0.98 (within the spread).
+    torch reads the variable once, at its **first CPU allocation of any size**, so this must run
+    before any tensor exists (no module-level tensors in the engine's modules:
+    :func:`huge_pages_in_effect` checks); a value already set (``0`` to opt out) is left alone.
     """
     os.environ.setdefault(THP_ENV, HUGE_PAGES.default)
 
@@ -85,8 +88,8 @@ def huge_pages_in_effect() -> bool | None:
 
     Why a check: torch reads its switch once, at its first CPU allocation of any size. A
     module-level tensor imported before the runner set it (one in ``worker.structured`` did)
-    silently turned huge pages off for every worker: the bench model's decode ran ~6% slower
-    with nobody noticing. The runner now logs a warning when it happens."""
+    silently turned huge pages off for every worker, with nobody noticing. The runner now logs
+    a warning when it happens."""
     mode = thp_mode()
     if mode is None or mode == "never":
         return None
@@ -144,7 +147,7 @@ def warn_without_huge_pages() -> bool | None:
         log.warning(
             "transparent huge pages are not in effect: torch read %s before it was set (a CPU "
             "tensor was allocated first); set %s=1 in the environment that starts this process "
-            "(weights and KV cache then run ~5%% faster)", THP_ENV, THP_ENV,
+            "for weights and KV cache on 2 MiB pages", THP_ENV, THP_ENV,
         )  # fmt: skip
     return got
 
