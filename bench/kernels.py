@@ -20,7 +20,10 @@ project benchmarks):
 With ``--triton`` (CUDA only) it times the Triton decode instead: batch 64 and 256, contexts 1k
 and 4k, bf16, 32 / 8 / 128 heads, against a device-to-device copy of the same number of bytes.
 
-Usage: ``python -m bench.kernels [--repeats N] [--threads N] [--triton]``
+``--shapes 9/3/64,14/2/64`` adds the decode rows for other head shapes (batch 48 x 400 and
+64 x 512: ``decode_by_shape``). Prints the CPU kind beside the figures (``bench.common.emit``).
+
+Usage: ``python -m bench.kernels [--repeats N] [--threads N] [--shapes H/KV/D,...] [--triton]``
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from bench.common import emit
 from kernels.testing import make_batch, make_metadata, share_prefix
 from kernels.torch_backend import TorchBackend
 
@@ -80,17 +84,37 @@ class DecodeResult:
     fraction_of_read: float  # the issue's measure: K/V read rate over the machine's read rate
 
 
-def bench_decode(batch: int, ctx: int, repeats: int) -> DecodeResult:
+@dataclass(frozen=True)
+class HeadShape:
+    """Query heads, KV heads, head_dim of one attention layer."""
+
+    heads: int = NUM_HEADS
+    kv_heads: int = NUM_KV_HEADS
+    head_dim: int = HEAD_DIM
+
+    @classmethod
+    def parse(cls, text: str) -> HeadShape:
+        """``"9/3/64"`` (SmolLM2), ``"14/2/64"`` (Qwen2-0.5B), ``"32/8/128"``."""
+        heads, kv, dim = (int(x) for x in text.split("/"))
+        if heads % kv:
+            raise argparse.ArgumentTypeError(f"{text}: heads must be a multiple of KV heads")
+        return cls(heads, kv, dim)
+
+
+def bench_decode(
+    batch: int, ctx: int, repeats: int, heads: HeadShape = HeadShape()
+) -> DecodeResult:
     """Decode tokens whose contexts are scattered randomly through a pool of blocks."""
+    H, KV, D = heads.heads, heads.kv_heads, heads.head_dim
     gen = torch.Generator().manual_seed(0)
     num_blocks = batch * ((ctx + BLOCK_SIZE - 1) // BLOCK_SIZE) + 16
     meta = make_metadata([1] * batch, [ctx] * batch, BLOCK_SIZE, num_blocks, gen)
-    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    shape = (num_blocks, BLOCK_SIZE, KV, D)
     k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
-    query = torch.randn(batch, NUM_HEADS, HEAD_DIM, generator=gen)
-    key = torch.randn(batch, NUM_KV_HEADS, HEAD_DIM, generator=gen)
-    value = torch.randn(batch, NUM_KV_HEADS, HEAD_DIM, generator=gen)
-    scale = HEAD_DIM**-0.5
+    query = torch.randn(batch, H, D, generator=gen)
+    key = torch.randn(batch, KV, D, generator=gen)
+    value = torch.randn(batch, KV, D, generator=gen)
+    scale = D**-0.5
 
     def timed(backend: TorchBackend) -> float:
         return median_seconds(
@@ -101,14 +125,14 @@ def bench_decode(batch: int, ctx: int, repeats: int) -> DecodeResult:
     backend = TorchBackend()
     ours = timed(backend)
     torch_path = timed(TorchBackend(native=False))
-    k_dense = torch.randn(batch, NUM_KV_HEADS, ctx, HEAD_DIM, generator=gen)
-    v_dense = torch.randn(batch, NUM_KV_HEADS, ctx, HEAD_DIM, generator=gen)
+    k_dense = torch.randn(batch, KV, ctx, D, generator=gen)
+    v_dense = torch.randn(batch, KV, ctx, D, generator=gen)
     q_dense = query.unsqueeze(2)
     dense = median_seconds(
         lambda: F.scaled_dot_product_attention(q_dense, k_dense, v_dense, enable_gqa=True),
         repeats,
     )
-    kv_bytes = 2 * batch * ctx * NUM_KV_HEADS * HEAD_DIM * 4
+    kv_bytes = 2 * batch * ctx * KV * D * 4
     copy = memcpy_gbps(kv_bytes, repeats)
     read = read_gbps(kv_bytes, repeats)
     gbps = kv_bytes / ours / 1e9
@@ -235,7 +259,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--triton", action="store_true", help="time the Triton decode on CUDA")
+    parser.add_argument(
+        "--shapes", default="",
+        help="also decode at these heads/kv_heads/head_dim, comma-separated (e.g. "
+        "9/3/64,14/2/64,32/8/128: SmolLM2, Qwen2-0.5B, Llama-8B-like)",
+    )  # fmt: skip
     args = parser.parse_args()
+    shapes = [HeadShape.parse(x) for x in args.shapes.split(",") if x]
     if args.triton:
         cases = [(b, c) for b in (64, 256) for c in (1024, 4096)]
         decode = [bench_triton_decode(b, c, args.repeats) for b, c in cases]
@@ -259,8 +289,13 @@ def main() -> None:
         "prefill_512": bench_prefill(512, 0, args.repeats),
         "prefill_512_after_512_cached": bench_prefill(512, 512, args.repeats),
         "shared_prefix": bench_shared_prefix(32, 1024, 32, args.repeats),
+        "decode_by_shape": [
+            {**asdict(h), **asdict(bench_decode(b, c, args.repeats, h))}
+            for h in shapes
+            for b, c in [(48, 400), (64, 512)]
+        ],
     }
-    print(json.dumps(result))
+    emit("kernels.torch", {k: v for k, v in result.items() if k != "bench"})
 
 
 if __name__ == "__main__":

@@ -236,3 +236,18 @@ def test_gemm_libs_times_every_library_on_checked_products(
         assert figures["mkl"] > 0 and figures["onednn_plain"] > 0
         assert figures["best"] in gemm_libs.LIBRARIES
     assert all(v > 0 for v in rec["models"]["bench"]["cold_pass"]["8"].values())
+
+
+def test_kernels_decode_runs_at_other_head_shapes() -> None:
+    """``bench.kernels --shapes``: the decode row at a GQA 3 shape (SmolLM2's), with its
+    bandwidth figures; malformed shapes are refused."""
+    import argparse
+
+    from bench.kernels import HeadShape, bench_decode
+
+    got = bench_decode(4, 64, 2, HeadShape.parse("9/3/64"))
+    assert got.batch == 4 and got.ctx == 64 and got.ms > 0
+    assert got.kv_gbps > 0 and got.read_gbps > 0
+    assert got.fraction_of_read == pytest.approx(got.kv_gbps / got.read_gbps, rel=0.02, abs=2e-3)
+    with pytest.raises(argparse.ArgumentTypeError):
+        HeadShape.parse("9/4/64")

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from scheduler.output import ScheduledSequence, SchedulerOutput
+from worker.cpu_memory import thp_mode
 from worker.model_runner import ModelRunner
 from worker.outputs import EngineConfig
 
@@ -57,14 +58,6 @@ def test_tables_persist_and_copies_happen_before_the_pass(make_tiny_model) -> No
     assert not runner._row_of
 
 
-def _thp_mode() -> str:
-    try:
-        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-    except OSError:
-        return "unavailable"
-    return text.split("[", 1)[1].split("]", 1)[0]
-
-
 def _probe(code: str, model_dir: Path, variable: str, setting: str | None) -> list[str]:
     """Run ``code`` in a fresh interpreter (process-wide settings are made once per process)
     with ``variable`` unset or set to ``setting``; returns the words it printed."""
@@ -94,7 +87,7 @@ print(os.environ.get('THP_MEM_ALLOC_ENABLE'), int(huge[0].split()[1]), huge_page
 """
 
 
-@pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="no transparent huge pages")
+@pytest.mark.skipif(thp_mode() not in ("madvise", "always"), reason="no transparent huge pages")
 @pytest.mark.parametrize("setting", [None, "0"])
 def test_cpu_runner_asks_for_huge_pages_unless_told_not_to(
     make_tiny_model, setting: str | None
@@ -107,11 +100,11 @@ def test_cpu_runner_asks_for_huge_pages_unless_told_not_to(
     )
     if setting is None:
         assert value == "1" and int(huge_kib) >= 32 * 1024 and in_effect == "True"
-    elif _thp_mode() == "madvise":
+    elif thp_mode() == "madvise":
         assert value == "0" and int(huge_kib) == 0 and in_effect == "False"
 
 
-@pytest.mark.skipif(_thp_mode() != "madvise", reason="needs the kernel's madvise THP mode")
+@pytest.mark.skipif(thp_mode() != "madvise", reason="needs the kernel's madvise THP mode")
 def test_runner_warns_when_torch_read_the_huge_page_switch_too_early(make_tiny_model) -> None:
     """A CPU tensor allocated before the runner: torch has read its switch unset, the runner
     cannot turn huge pages on any more, and says so."""

@@ -143,7 +143,7 @@ def keep_freed_memory() -> MallocTuning:
 def warn_without_huge_pages() -> bool | None:
     """Log a warning when huge pages were asked for (the switch is 1) and are not in effect."""
     got = huge_pages_in_effect()
-    if got is False and os.environ.get(THP_ENV) == "1":
+    if got is False and HUGE_PAGES.raw() == "1":
         log.warning(
             "transparent huge pages are not in effect: torch read %s before it was set (a CPU "
             "tensor was allocated first); set %s=1 in the environment that starts this process "
