@@ -44,7 +44,9 @@ def test_master_killed_mid_run_fails_over_and_every_job_ends_once(
     old_master = group.master_port()
     client = Client(group.url)
     ids = client.submit_many([f"failover {i}" for i in range(60)], PARAMS, priority="bulk")
-    w = start_worker(group.url, make_tiny_model("llama"), "w", "--max-num-seqs", "8")
+    w = start_worker(
+        group.url, make_tiny_model("llama"), "w", "--max-num-seqs", "8", "--log-level", "INFO"
+    )
     wait_for(
         lambda: sum(s == JobStatus.SUCCEEDED for s in client.store.statuses(ids)) >= 10,
         what="10 jobs done",
@@ -56,7 +58,12 @@ def test_master_killed_mid_run_fails_over_and_every_job_ends_once(
     master.kill()
     wait_for(lambda: group.master_port() != old_master, what="a sentinel failover", timeout=60)
     recs = client.wait_many(ids, timeout=180)
-    assert [r.status for r in recs] == [JobStatus.SUCCEEDED] * 60, {r.error for r in recs}
+    # (A rare CI failure dead-lettered jobs "delivered 4 times (max 3)": the worker's log says
+    # which leases it lost and which writes were refused across the failover.)
+    assert [r.status for r in recs] == [JobStatus.SUCCEEDED] * 60, (
+        {r.error for r in recs},
+        w.log(),
+    )
     for r in recs:
         assert r.result is not None and r.result.completion_tokens == 24
         ends = [f for _, f in client.r.xrange(client.keys.events(r.id)) if f["type"] == "end"]
