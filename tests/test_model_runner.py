@@ -58,18 +58,24 @@ def test_tables_persist_and_copies_happen_before_the_pass(make_tiny_model) -> No
     assert not runner._row_of
 
 
-def _probe(code: str, model_dir: Path, variable: str, setting: str | None) -> list[str]:
+def _run_probe(
+    code: str, model_dir: Path, variable: str, setting: str | None, arg: str = "-"
+) -> subprocess.CompletedProcess[str]:
     """Run ``code`` in a fresh interpreter (process-wide settings are made once per process)
-    with ``variable`` unset or set to ``setting``; returns the words it printed."""
+    with ``variable`` unset or set to ``setting`` (argv: ``model_dir``, ``arg``)."""
     env = {k: v for k, v in os.environ.items() if k != variable}
     if setting is not None:
         env[variable] = setting
-    out = subprocess.run(
-        [sys.executable, "-c", code, str(model_dir), "-"],
+    return subprocess.run(
+        [sys.executable, "-c", code, str(model_dir), arg],
         env=env, capture_output=True, text=True, check=True,
         cwd=Path(__file__).parent.parent,
     )  # fmt: skip
-    return out.stdout.split()
+
+
+def _probe(code: str, model_dir: Path, variable: str, setting: str | None) -> list[str]:
+    """:func:`_run_probe`'s printed words."""
+    return _run_probe(code, model_dir, variable, setting).stdout.split()
 
 
 _HUGE_PAGES_PROBE = """
@@ -108,10 +114,9 @@ def test_cpu_runner_asks_for_huge_pages_unless_told_not_to(
 def test_runner_warns_when_torch_read_the_huge_page_switch_too_early(make_tiny_model) -> None:
     """A CPU tensor allocated before the runner: torch has read its switch unset, the runner
     cannot turn huge pages on any more, and says so."""
-    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
-    out = subprocess.run(
-        [sys.executable, "-c", _HUGE_PAGES_PROBE, str(make_tiny_model("llama")), "allocated-first"],
-        env=env, capture_output=True, text=True, check=True, cwd=Path(__file__).parent.parent,
+    out = _run_probe(
+        _HUGE_PAGES_PROBE, make_tiny_model("llama"), "THP_MEM_ALLOC_ENABLE", None,
+        "allocated-first",
     )  # fmt: skip
     value, huge_kib, in_effect = out.stdout.split()
     assert value == "1" and int(huge_kib) == 0 and in_effect == "False"

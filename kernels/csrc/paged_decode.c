@@ -117,9 +117,9 @@ static inline void ps_scores8x2(const float *q0, const float *q1, const float *k
  * header's figures). Into L2 (prefetcht1), not L1: an L1 prefetch holds one of the core's few
  * L1 miss buffers until its line arrives, so a block's worth of them (256 lines) stalled the
  * loads of the block being computed; L2 tracks many more misses. Measured on a Zen 4 EPYC
- * (a throwaway harness, bench/README.md; 2 threads, 4 shapes x 2 sizes): 1.2-1.5x the L1 version's K/V
- * rate alone, 1.2-2.1x with the key prefetches spread over the heads' score passes (below).
- * Two blocks ahead measured no better. */
+ * (a throwaway harness, bench/README.md; 2 threads, 4 shapes x 2 sizes): 1.2-1.5x the L1
+ * version's K/V rate alone, 1.2-2.1x with the key prefetches spread over the heads' score
+ * passes (below). Two blocks ahead measured no better. */
 static inline void ps_prefetch_rows(const float *base, int64_t n, int64_t token_stride,
                                     int64_t off, int64_t len) {
     for (int64_t t = 0; t < n; ++t)
