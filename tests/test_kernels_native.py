@@ -48,15 +48,17 @@ def test_shares_torchs_openmp_runtime() -> None:
     assert len(gomp) == 1, gomp
 
 
+# With block size 16, (8, 4, 64), (16, 4, 128), (9, 3, 64) (SmolLM2) and (14, 2, 64) (Qwen2-0.5B)
+# take the kernel's compile-time paths (value accumulators in registers, a tile of heads at a
+# time); the rest the generic one. 40 is a head size that the 16-float vectors of an AVX-512
+# build do not divide (its dot products fall back to 8 floats); 96 one they do.
+SHAPES = [(8, 8, 64), (8, 2, 64), (16, 1, 64), (8, 4, 64), (16, 4, 128), (9, 3, 64), (14, 2, 64),
+          (6, 2, 40), (8, 1, 96)]  # fmt: skip
+
+
 @needs_compiler
 @pytest.mark.parametrize("window", [None, 1, 100])
-# (8, 4, 64) and (16, 4, 128) with block size 16 take the kernel's compile-time specialised
-# paths (GQA pairs with register-resident value accumulators; 4-way groups); the rest the generic
-# one, among them SmolLM2's 9 / 3 and Qwen2-0.5B's 14 / 2 heads.
-@pytest.mark.parametrize(
-    ("num_heads", "num_kv_heads", "head_dim"),
-    [(8, 8, 64), (8, 2, 64), (16, 1, 64), (8, 4, 64), (16, 4, 128), (9, 3, 64), (14, 2, 64)],
-)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), SHAPES)
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 def test_spread_of_lengths_against_reference(
     window: int | None, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
@@ -69,6 +71,24 @@ def test_spread_of_lengths_against_reference(
     )  # fmt: skip
     backend = TorchBackend(native=True)
     run_and_compare(batch, sliding_window=window, backend=backend)
+    assert native_plans(backend) == [True]
+
+
+@needs_compiler
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), SHAPES)
+def test_narrow_vector_build_against_reference(
+    num_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
+    """The 8-float build (what an AVX2 machine compiles) against the reference wherever this
+    machine's own build is the 16-float one."""
+    lib = native.build(flags=[*native.FLAGS, "-DPS_WIDE_LANES=8"])
+    gen = torch.Generator().manual_seed(num_heads * head_dim)
+    s_lens = torch.randint(1, 400, (12,), generator=gen).tolist()
+    batch = make_batch([1] * 12, s_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                       head_dim=head_dim, block_size=16)  # fmt: skip
+    backend = TorchBackend(native=True)
+    backend._native = native.NativeDecode(lib)  # this build instead of the machine's default
+    run_and_compare(batch, backend=backend)
     assert native_plans(backend) == [True]
 
 

@@ -15,6 +15,35 @@ typedef float v8sf_u __attribute__((vector_size(32), aligned(4))); /* unaligned 
 
 static inline v8sf ps_splat(float x) { return (v8sf){x, x, x, x, x, x, x, x}; }
 
+/* The widest vector the build's target has for long dot products and value sums: 16 floats
+ * (one AVX-512 register) where the compiler may use AVX-512, else 8. -DPS_WIDE_LANES=8 forces
+ * the narrow one (the tests build both on an AVX-512 machine). Why not 16 everywhere: GCC
+ * splits a 64-byte vector into two AVX2 registers, which spends the 16 registers an AVX2 core
+ * has twice as fast. */
+#ifndef PS_WIDE_LANES
+#if defined(__AVX512F__)
+#define PS_WIDE_LANES 16
+#else
+#define PS_WIDE_LANES 8
+#endif
+#endif
+typedef float vwsf __attribute__((vector_size(PS_WIDE_LANES * 4)));
+typedef float vwsf_u __attribute__((vector_size(PS_WIDE_LANES * 4), aligned(4)));
+
+static inline vwsf ps_wload(const float *p) { return *(const vwsf_u *)p; }
+static inline void ps_wstore(float *p, vwsf v) { *(vwsf_u *)p = v; }
+static inline vwsf ps_wsplat(float x) { return x + (vwsf){0}; }
+
+/* The wide vector's lanes folded to 8 (lane j: the sum of lanes j, j + 8, ...). */
+static inline v8sf ps_fold8(vwsf x) {
+#if PS_WIDE_LANES == 16
+    return __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    return x;
+#endif
+}
+
 /* exp(x) for x <= 0, about 1 ulp (Cephes' expf polynomial after a 2^n split); lanes below
  * -87.3 give ~1e-38, which callers multiply by zero or add to a sum of at least 1. */
 static inline v8sf ps_exp8(v8sf x) {
