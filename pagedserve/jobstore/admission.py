@@ -91,7 +91,7 @@ class Admission(StoreBase):
         *picked, claimed, lost, piloted, waiting = reply
         entries: list[Entry] = [(stream, eid, job) for eid, job, _ in picked]
         sigs = {job: sig for _, job, sig in picked if sig}
-        leases = self._lease_entries(consumer, entries)
+        leases = self._lease_entries(consumer, entries, "admission")
         return Admitted(leases, sigs, list(claimed), list(lost), list(piloted), int(waiting))
 
     def refresh_affinity(

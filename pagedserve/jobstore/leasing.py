@@ -121,7 +121,7 @@ class Leasing(StoreBase):
                 if start == "0-0":
                     break
             self._autoclaim_cursor[stream] = start
-        return self._lease_entries(consumer, entries)
+        return self._lease_entries(consumer, entries, "reclaim")
 
     def _take_stash(self, consumer: str, n: int) -> list[Entry]:
         stash = self._stash.get(consumer)
@@ -147,9 +147,12 @@ class Leasing(StoreBase):
             self._pending_cursor[(consumer, stream)] = cursor
         return out
 
-    def _lease_entries(self, consumer: str, entries: Sequence[Entry]) -> list[Lease]:
+    def _lease_entries(
+        self, consumer: str, entries: Sequence[Entry], path: str = "claim"
+    ) -> list[Lease]:
         """Run the lease script on every entry in one pipelined round trip (one more for the
-        rare job that ends at lease and has an idempotency key: see :meth:`_lease_replies`)."""
+        rare job that ends at lease and has an idempotency key: see :meth:`_lease_replies`).
+        ``path`` (claim, reclaim, admission) is named in the log line of a re-delivery."""
         live: list[tuple[str, str, str]] = []
         for stream, eid, job_id in entries:
             if job_id is None:  # the entry's content was deleted: nothing to run
@@ -175,6 +178,9 @@ class Leasing(StoreBase):
             lease = self._lease_of(consumer, stream, eid, job_id, reply)
             if lease is not None:
                 leases.append(lease)
+                if lease.deliveries > 1:  # rare; says how a job came to be dead-lettered
+                    log.info("job %s leased again by %s (%s, delivery %d, fence %d)", job_id,
+                             consumer, path, lease.deliveries, lease.fence)  # fmt: skip
         if adds:
             self.add_batch_lines(adds)
         return leases
