@@ -52,7 +52,9 @@ from kernels.torch_cascade import merge_into, shared_prefixes, split_shared
 from kernels.torch_ops import Workspace, decode_chunk, prefill_chunk
 from kernels.torch_plan import (
     CHUNK_BYTES,
+    NATIVE_PREFILL_MAX_LEN,
     DecodePlan,
+    DecodeRow,
     Merge,
     NativeWork,
     SharedGroup,
@@ -63,6 +65,7 @@ from kernels.torch_plan import (
     decode_rows,
     make_chunk,
     make_native,
+    prefill_rows,
     prefill_work,
 )
 
@@ -89,7 +92,13 @@ def _make_decode_plan(
         for pre, sh in zip(plan.prefill, prefill_shared, strict=True)
     ]
     if native:
-        return DecodePlan(shared, [], prefill, make_native(rows, meta))
+        pre_rows: list[DecodeRow] = []
+        for pre, work, sh in zip(plan.prefill, prefill, prefill_shared, strict=True):
+            if sh is None and window is None and pre.seq_len <= NATIVE_PREFILL_MAX_LEN:
+                work.native = True
+                pre_rows += prefill_rows(pre, block_size)
+        if rows or pre_rows:
+            return DecodePlan(shared, [], prefill, make_native(rows, meta, pre_rows))
     rows.sort(key=lambda r: r.num_blocks)
     table = meta.block_tables.to(torch.long)
     chunks = [
@@ -178,7 +187,7 @@ class TorchBackend:
                 self._chunk_bytes,
                 cdt,
                 self._shared_prefix,
-                native and bool(plan.decode_seqs),
+                native,
             )
             plan.decode[key] = decode
         return decode
@@ -211,6 +220,8 @@ class TorchBackend:
                 o = merge_into(o, lse, chunk.merge, *shared)
             out.index_copy_(0, chunk.token_idx, o.to(query.dtype))
         for pre, pre_work in zip(self._plan.prefill, work.prefill, strict=True):
+            if pre_work.native:  # its rows were in the kernel's call above
+                continue
             o = prefill_chunk(
                 query, key, value, k_cache, v_cache, meta, pre, pre_work, scale, cdt,
                 self._workspace,

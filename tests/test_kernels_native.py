@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import native
+from kernels import native, torch_plan
 from kernels.reference import reference_paged_attention
 from kernels.testing import make_batch
 from kernels.torch_backend import TorchBackend
@@ -90,6 +90,28 @@ def test_narrow_vector_build_against_reference(
     backend._native = native.NativeDecode(lib)  # this build instead of the machine's default
     run_and_compare(batch, backend=backend)
     assert native_plans(backend) == [True]
+
+
+@needs_compiler
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(8, 4), (9, 3)])
+def test_prefill_chunks_run_as_kernel_rows(num_heads: int, num_kv_heads: int) -> None:
+    """Prefill chunks (fresh prompts, and chunks after cached context) up to
+    NATIVE_PREFILL_MAX_LEN go through the kernel, one decode row per query token, beside the
+    decode rows; a longer one and a windowed step stay in torch. All against the reference."""
+    limit = torch_plan.NATIVE_PREFILL_MAX_LEN
+    q_lens, s_lens = [1, 37, 1, 200, 90, 5, 300], [40, 37, 700, 200, 250, limit, limit + 300]
+    batch = make_batch(q_lens, s_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                       head_dim=64, block_size=16)  # fmt: skip
+    backend = TorchBackend(native=True)
+    run_and_compare(batch, backend=backend)
+    (plan,) = backend._plan.decode.values()
+    assert [w.native for w in plan.prefill] == [True, True, True, True, False]
+    assert plan.native is not None and plan.native.rows.num_rows == 2 + 37 + 200 + 90 + 5
+    windowed = make_batch(q_lens, s_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                          head_dim=64, block_size=16)  # fmt: skip
+    run_and_compare(windowed, sliding_window=100, backend=backend)
+    (plan,) = backend._plan.decode.values()
+    assert not any(w.native for w in plan.prefill) and plan.native.rows.num_rows == 2
 
 
 @needs_compiler
