@@ -14,8 +14,10 @@ project benchmarks):
 * the machine's memcpy bandwidth (bytes read per second while copying a buffer the size of the
   decode K/V) and its read bandwidth (a sum over such a buffer: ``read_gbps``; the decode's
   ``fraction_of_read`` is the K/V read rate over it), measured alongside, since the machine is
-  shared and its bandwidth drifts. A K/V that fits the last-level cache is read from there by
-  both, so the fraction compares like with like.
+  shared and its bandwidth drifts; back to back, so a K/V near the last-level cache's size is
+  partly read from there. ``cold_*``: the kernel and the sum alternating, each after a read of
+  a 128 MB buffer, so both from DRAM (every layer of the engine reads its K/V cold);
+  ``cold_fraction_of_read`` is the issue's measure.
 
 With ``--triton`` (CUDA only) it times the Triton decode instead: batch 64 and 256, contexts 1k
 and 4k, bf16, 32 / 8 / 128 heads, against a device-to-device copy of the same number of bytes.
@@ -68,6 +70,30 @@ def read_gbps(num_bytes: int, repeats: int) -> float:
     return num_bytes / median_seconds(src.sum, repeats) / 1e9
 
 
+def cold_gbps(
+    kernel: Callable[[], object], num_bytes: int, repeats: int, flush_bytes: int = 128 << 20
+) -> tuple[float, float]:
+    """(kernel's K/V GB/s, read GB/s), both from DRAM: each timed call follows a read of an
+    unrelated buffer larger than any last-level cache, and the two alternate.
+
+    Why beside the warm figures: a K/V near the L3's size stays partly resident across
+    back-to-back calls (a contiguous sum's buffer more so than a scattered block pool), so the
+    warm fraction compares unlike things; in the engine every layer's K/V is cold (the other
+    layers' K/V and weights pass in between)."""
+    flush = torch.ones(flush_bytes // 4)
+    src = torch.randn(num_bytes // 4)
+    ours, read = [], []
+    for _ in range(repeats + 1):
+        for fn, out in ((kernel, ours), (src.sum, read)):
+            flush.sum()
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    ours, read = sorted(ours[1:]), sorted(read[1:])  # the first round warms code paths
+    mid = len(ours) // 2
+    return num_bytes / ours[mid] / 1e9, num_bytes / read[mid] / 1e9
+
+
 @dataclass
 class DecodeResult:
     batch: int
@@ -81,7 +107,10 @@ class DecodeResult:
     memcpy_gbps: float
     fraction_of_memcpy: float
     read_gbps: float
-    fraction_of_read: float  # the issue's measure: K/V read rate over the machine's read rate
+    fraction_of_read: float  # K/V read rate over the machine's read rate, both warm
+    cold_kv_gbps: float  # the same two from DRAM (cold_gbps): what a layer of the engine sees
+    cold_read_gbps: float
+    cold_fraction_of_read: float  # the issue's measure
 
 
 @dataclass(frozen=True)
@@ -136,6 +165,11 @@ def bench_decode(
     copy = memcpy_gbps(kv_bytes, repeats)
     read = read_gbps(kv_bytes, repeats)
     gbps = kv_bytes / ours / 1e9
+    cold_kv, cold_read = cold_gbps(
+        lambda: backend.paged_attention(query, key, value, k_cache, v_cache, meta, scale),
+        kv_bytes,
+        repeats,
+    )
     return DecodeResult(
         batch=batch,
         ctx=ctx,
@@ -149,6 +183,9 @@ def bench_decode(
         fraction_of_memcpy=round(gbps / copy, 3),
         read_gbps=round(read, 2),
         fraction_of_read=round(gbps / read, 3),
+        cold_kv_gbps=round(cold_kv, 2),
+        cold_read_gbps=round(cold_read, 2),
+        cold_fraction_of_read=round(cold_kv / cold_read, 3),
     )
 
 

@@ -249,5 +249,9 @@ def test_kernels_decode_runs_at_other_head_shapes() -> None:
     assert got.batch == 4 and got.ctx == 64 and got.ms > 0
     assert got.kv_gbps > 0 and got.read_gbps > 0
     assert got.fraction_of_read == pytest.approx(got.kv_gbps / got.read_gbps, rel=0.02, abs=2e-3)
+    assert got.cold_kv_gbps > 0 and got.cold_read_gbps > 0
+    assert got.cold_fraction_of_read == pytest.approx(
+        got.cold_kv_gbps / got.cold_read_gbps, rel=0.02, abs=2e-3
+    )
     with pytest.raises(argparse.ArgumentTypeError):
         HeadShape.parse("9/4/64")
