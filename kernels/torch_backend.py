@@ -24,9 +24,12 @@ while it is still in the CPU's caches:
   allocations), and runs one batched CPU flash attention (native GQA, additive length mask) on
   strided views of it while the gathered bytes are still in L2/L3. Measured on 2 EPYC cores,
   chunking alone halves the time compared with gathering the whole batch first.
-* prefill chunks (``query_len > 1``) are few per step and run one by one: straight on the step's
-  fresh keys/values with a causal SDPA when nothing is cached before the chunk, else on the
-  context gathered from the cache (from the end of a shared prefix, or the window's first block).
+* prefill chunks (``query_len > 1``) of at most ``NATIVE_PREFILL_MAX_LEN`` tokens of context, not
+  in a shared-prefix group and without a window, join the C kernel's call: each query token is
+  a decode row over the cache (its keys are written before attention), a prompt at a time.
+  The rest run one by one in torch: straight on the step's fresh keys/values with a causal SDPA
+  when nothing is cached before the chunk, else on the context gathered from the cache (from the
+  end of a shared prefix, or the window's first block).
 
 The plan (groups, sorting, chunking, gather indices, additive masks) depends only on the step's
 metadata, so it is built once per forward pass and reused by every layer: no mask is built or
