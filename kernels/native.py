@@ -25,7 +25,7 @@ import os
 import shutil
 import subprocess
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -79,6 +79,12 @@ class DecodeRows:
     @property
     def num_rows(self) -> int:
         return int(self.token_rows.shape[0])
+
+    def then(self, other: DecodeRows) -> DecodeRows:
+        """These rows followed by ``other``'s."""
+        return DecodeRows(
+            *(torch.cat([getattr(self, f.name), getattr(other, f.name)]) for f in fields(self))
+        )
 
 
 class NativeDecode:

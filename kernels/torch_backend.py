@@ -57,9 +57,9 @@ from kernels.torch_plan import (
     CHUNK_BYTES,
     NATIVE_PREFILL_MAX_LEN,
     DecodePlan,
-    DecodeRow,
     Merge,
     NativeWork,
+    Prefill,
     SharedGroup,
     StepPlan,
     build_step_plan,
@@ -68,7 +68,6 @@ from kernels.torch_plan import (
     decode_rows,
     make_chunk,
     make_native,
-    prefill_rows,
     prefill_work,
 )
 
@@ -95,13 +94,13 @@ def _make_decode_plan(
         for pre, sh in zip(plan.prefill, prefill_shared, strict=True)
     ]
     if native:
-        pre_rows: list[DecodeRow] = []
+        in_kernel: list[Prefill] = []
         for pre, work, sh in zip(plan.prefill, prefill, prefill_shared, strict=True):
             if sh is None and window is None and pre.seq_len <= NATIVE_PREFILL_MAX_LEN:
                 work.native = True
-                pre_rows += prefill_rows(pre, block_size)
-        if rows or pre_rows:
-            return DecodePlan(shared, [], prefill, make_native(rows, meta, pre_rows))
+                in_kernel.append(pre)
+        if rows or in_kernel:
+            return DecodePlan(shared, [], prefill, make_native(rows, meta, in_kernel))
     rows.sort(key=lambda r: r.num_blocks)
     table = meta.block_tables.to(torch.long)
     chunks = [

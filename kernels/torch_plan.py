@@ -166,15 +166,21 @@ def decode_rows(
     return rows
 
 
-def prefill_rows(pre: Prefill, block_size: int) -> list[DecodeRow]:
-    """A prefill chunk's query tokens as decode rows: token ``i`` sees positions up to its own
-    (causal), its keys already in the cache."""
-    first_pos = pre.seq_len - pre.query_len
-    rows = []
-    for i in range(pre.query_len):
-        pos = first_pos + i
-        rows.append(DecodeRow(0, pos // block_size + 1, pre.seq_index, pre.start + i, pos + 1))
-    return rows
+def prefill_rows(chunks: list[Prefill], device: torch.device) -> DecodeRows:
+    """Prefill chunks' query tokens as decode rows, a chunk after another, each chunk's last
+    token first: token ``i`` of a chunk sees positions up to its own (causal), its keys already
+    in the cache. Built with ``arange`` (a 2048-token step is 2048 rows)."""
+    token_rows, seq_lens, seq_index = [], [], []
+    for pre in chunks:
+        top = torch.arange(pre.query_len - 1, -1, -1, device=device)
+        token_rows.append(top + pre.start)
+        seq_lens.append(top + (pre.seq_len - pre.query_len + 1))
+        seq_index.append(torch.full((pre.query_len,), pre.seq_index, device=device))
+    if not chunks:
+        empty = torch.zeros(0, dtype=torch.long, device=device)
+        return DecodeRows(empty, empty, empty, empty)
+    tokens = torch.cat(token_rows)
+    return DecodeRows(tokens, torch.cat(seq_index), torch.zeros_like(tokens), torch.cat(seq_lens))
 
 
 def chunk_rows(rows: list[DecodeRow], block_bytes: int, chunk_bytes: int) -> list[list[int]]:
@@ -277,14 +283,12 @@ def prefill_work(
 
 
 def make_native(
-    rows: list[DecodeRow], meta: AttentionMetadata, prefill: list[DecodeRow] | None = None
+    rows: list[DecodeRow], meta: AttentionMetadata, prefill: list[Prefill] | None = None
 ) -> NativeWork:
     """Rows longest first (the kernel's threads take them in order), merges by LSE after.
-    ``prefill`` rows follow, a prompt at a time (its keys stay in the core's L2 while its
-    rows run), each prompt's last token first."""
+    The ``prefill`` chunks' rows follow (:func:`prefill_rows`), a prompt at a time: its keys
+    stay in the core's L2 while its rows run."""
     rows = sorted(rows, key=lambda r: -r.num_blocks)
-    if prefill:
-        rows += sorted(prefill, key=lambda r: (r.seq_index, -r.seq_len))
     device = meta.block_tables.device
     kernel_rows = DecodeRows(
         token_rows=long_tensor([r.token_row for r in rows], device),
@@ -292,6 +296,8 @@ def make_native(
         first_block=long_tensor([r.first_block for r in rows], device),
         seq_lens=long_tensor([r.seq_len for r in rows], device),
     )
+    if prefill:
+        kernel_rows = kernel_rows.then(prefill_rows(prefill, device))
     merged = [i for i, r in enumerate(rows) if r.shared_slot >= 0]
     tables = meta.block_tables
     if tables.dtype != torch.int32 or not tables.is_contiguous():
