@@ -239,7 +239,8 @@ static inline __attribute__((always_inline)) void ps_decode_row_impl(
                         asked += rows;
                     }
                     const float *kh = kc + ((h0 + i) / G) * D;
-                    if (n == 3) ps_scores8xn(q + i + g, 3, kh, token_stride, D, s + i + g, c);
+                    if (PS_SCORE_HEADS >= 3 && n == 3) /* never on AVX2 (SH <= 2) */
+                        ps_scores8xn(q + i + g, 3, kh, token_stride, D, s + i + g, c);
                     else if (n == 2) ps_scores8xn(q + i + g, 2, kh, token_stride, D, s + i + g, c);
                     else ps_scores8xn(q + i + g, 1, kh, token_stride, D, s + i + g, c);
                 }
