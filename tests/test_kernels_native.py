@@ -112,6 +112,11 @@ def test_prefill_chunks_run_as_kernel_rows(num_heads: int, num_kv_heads: int) ->
     run_and_compare(windowed, sliding_window=100, backend=backend)
     (plan,) = backend._plan.decode.values()
     assert not any(w.native for w in plan.prefill) and plan.native.rows.num_rows == 2
+    only_prefill = make_batch([37, 200], [37, 250], num_heads=num_heads,
+                              num_kv_heads=num_kv_heads, head_dim=64, block_size=16)  # fmt: skip
+    run_and_compare(only_prefill, backend=backend)  # a step with no decode row at all
+    (plan,) = backend._plan.decode.values()
+    assert plan.native is not None and plan.native.rows.num_rows == 237
 
 
 @needs_compiler
