@@ -140,11 +140,12 @@ def test_cancel_mid_generation_frees_blocks(
     assert rec.result is not None and 0 < rec.result.completion_tokens < 1900
     assert rec.result.completions[0].finish_reason == "abort"
     hb = wait_for(
-        lambda: (h := heartbeat(client, "w1")) and h["pool"]["in_use"] == 0 and not h["jobs"] and h,
-        what="the pool to have no blocks in use",
-    )
+        lambda: (h := heartbeat(client, "w1")) and h["pool"]["in_use"] == 0 and not h["jobs"]
+        and h["jobs_finished"] and h,
+        what="the pool to have no blocks in use and the job counted",
+    )  # fmt: skip
     assert "1" not in hb["pool"]["block_states"]
-    assert hb["jobs_finished"].get("cancelled") == 1
+    assert hb["jobs_finished"] == {"cancelled": 1}
     # The worker goes on serving.
     nxt = client.submit("after the cancel", {"max_tokens": 4, "temperature": 0})
     assert client.wait(nxt, timeout=30).status == JobStatus.SUCCEEDED
@@ -161,6 +162,7 @@ def test_heartbeat_contents(redis_url: str, model_dir: Path, start_worker: Start
         lambda: (
             (h := WorkerHeartbeat.parse_published(heartbeat(client, "w1")))
             and h.e2e_request_latency_seconds.count == 5
+            and sum(h.jobs_finished.values()) == 5
             and h
         ),
         what="a heartbeat with 5 finished jobs",

@@ -103,6 +103,7 @@ def test_deltas_arrive_in_order_and_the_final_write_after_them(store: JobStore) 
     assert writer.flush(30)
     reports = writer.take_reports()
     assert reports and all(not r.lost and not r.errors for r in reports)
+    assert [s for r in reports for s in r.finished] == ["succeeded"]
     for (jid, index), toks in sent.items():
         evs = events(store, jid)
         acc = accumulate(evs)
@@ -127,8 +128,10 @@ def test_a_lost_lease_is_refused_with_its_fence(store: JobStore) -> None:
     writer.put([Progress(old, 1, "stale", [1])], [], cancels=False)
     writer.put([], [Finish(old, "succeeded", result=result([1], "stale"))], cancels=False)
     assert writer.flush(30)
-    refused = [x for r in writer.take_reports() for x in r.refused]
+    reports = writer.take_reports()
+    refused = [x for r in reports for x in r.refused]
     assert refused == [(old.job_id, old.fence)] * 2
+    assert not any(r.finished for r in reports)  # a refused final write finished nothing
     assert [e.type for e in events(store, old.job_id)] == ["restart"]  # nothing of the old run
     assert store.status(old.job_id) == JobStatus.RUNNING
     writer.put([Progress(new, 1, "fresh", [2])], [], cancels=False)

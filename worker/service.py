@@ -196,8 +196,7 @@ class Worker:
         self._final(Finish(lease, "failed", error=reason))
 
     def _final(self, fin: Finish) -> None:
-        self.unsent.append(fin)
-        self.telemetry.finished_counts[fin.status] += 1
+        self.unsent.append(fin)  # counted as finished once Redis took it (_on_report)
 
     # ----------------------------------------------------------------- housekeeping
     def housekeeping(self) -> None:
@@ -304,6 +303,7 @@ class Worker:
             self.unsent_progress, self.unsent = [], []
 
     def _on_report(self, res: StepResult) -> None:
+        self.telemetry.finished_counts.update(res.finished)
         for jid, fence in res.refused:
             st = self.jobs.get(jid)
             if st is not None and st.lease.fence == fence:  # not a newer lease of the job

@@ -124,8 +124,10 @@ class Commits(StoreBase):
                 if jid not in out.lost:
                     out.lost.append(jid)
                     log.warning("write for job %s refused: lease lost", jid)
-            elif fin is not None and lease.batch is not None and self.cluster:
-                ended.append(fin)
+            elif fin is not None:
+                out.finished.append(fin.status)
+                if lease.batch is not None and self.cluster:
+                    ended.append(fin)
         for reply in replies[len(replies) - drains :] if drains else []:
             if isinstance(reply, Exception):
                 # The writes above went through: a broken cancel set (a key of the wrong type)

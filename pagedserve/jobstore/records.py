@@ -179,6 +179,9 @@ class StepResult:
     #: Writes Redis answered with an error (e.g. a key of the wrong type): the job cannot be
     #: written as asked; the worker fails it (or retries without its batch line) and goes on.
     errors: list[WriteError] = field(default_factory=list)
+    #: The status of every final write Redis took (not refused, no error): what the worker
+    #: counts as finished.
+    finished: list[str] = field(default_factory=list)
 
 
 @dataclass
