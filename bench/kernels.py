@@ -145,11 +145,11 @@ def bench_decode(
     value = torch.randn(batch, KV, D, generator=gen)
     scale = D**-0.5
 
+    def attention(backend: TorchBackend) -> Callable[[], torch.Tensor]:
+        return lambda: backend.paged_attention(query, key, value, k_cache, v_cache, meta, scale)
+
     def timed(backend: TorchBackend) -> float:
-        return median_seconds(
-            lambda: backend.paged_attention(query, key, value, k_cache, v_cache, meta, scale),
-            repeats,
-        )
+        return median_seconds(attention(backend), repeats)
 
     backend = TorchBackend()
     ours = timed(backend)
@@ -165,11 +165,7 @@ def bench_decode(
     copy = memcpy_gbps(kv_bytes, repeats)
     read = read_gbps(kv_bytes, repeats)
     gbps = kv_bytes / ours / 1e9
-    cold_kv, cold_read = cold_gbps(
-        lambda: backend.paged_attention(query, key, value, k_cache, v_cache, meta, scale),
-        kv_bytes,
-        repeats,
-    )
+    cold_kv, cold_read = cold_gbps(attention(backend), kv_bytes, repeats)
     return DecodeResult(
         batch=batch,
         ctx=ctx,

@@ -120,14 +120,16 @@ class TorchBackend:
         chunk_bytes: int = CHUNK_BYTES,
         shared_prefix: bool = True,
         native: bool | None = None,
+        kernel: NativeDecode | None = None,
     ) -> None:
         """``native``: decode rows through the C kernel (:mod:`kernels.native`) where it
         covers the dtype and shapes; None uses it when it builds, True requires it, False keeps
-        every step in torch."""
+        every step in torch. ``kernel``: that loaded build instead of this machine's default
+        (the tests run another build through it)."""
         self._chunk_bytes = chunk_bytes
         self._shared_prefix = shared_prefix  # False: every decode gathers its whole context
-        self._native: NativeDecode | None = None
-        if native is None or native:
+        self._native: NativeDecode | None = kernel
+        if kernel is None and (native is None or native):
             self._native = native_kernel.load()
             if native and self._native is None:
                 raise RuntimeError("the native CPU decode kernel could not be built or loaded")

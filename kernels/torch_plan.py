@@ -169,16 +169,13 @@ def decode_rows(
 def prefill_rows(chunks: list[Prefill], device: torch.device) -> DecodeRows:
     """Prefill chunks' query tokens as decode rows, a chunk after another, each chunk's last
     token first: token ``i`` of a chunk sees positions up to its own (causal), its keys already
-    in the cache. Built with ``arange`` (a 2048-token step is 2048 rows)."""
+    in the cache. Built with ``arange`` (a 2048-token step is 2048 rows); ``chunks`` not empty."""
     token_rows, seq_lens, seq_index = [], [], []
     for pre in chunks:
         top = torch.arange(pre.query_len - 1, -1, -1, device=device)
         token_rows.append(top + pre.start)
         seq_lens.append(top + (pre.seq_len - pre.query_len + 1))
         seq_index.append(torch.full((pre.query_len,), pre.seq_index, device=device))
-    if not chunks:
-        empty = torch.zeros(0, dtype=torch.long, device=device)
-        return DecodeRows(empty, empty, empty, empty)
     tokens = torch.cat(token_rows)
     return DecodeRows(tokens, torch.cat(seq_index), torch.zeros_like(tokens), torch.cat(seq_lens))
 

@@ -86,8 +86,7 @@ def test_narrow_vector_build_against_reference(
     s_lens = torch.randint(1, 400, (12,), generator=gen).tolist()
     batch = make_batch([1] * 12, s_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
                        head_dim=head_dim, block_size=16)  # fmt: skip
-    backend = TorchBackend(native=True)
-    backend._native = native.NativeDecode(lib)  # this build instead of the machine's default
+    backend = TorchBackend(native=True, kernel=native.NativeDecode(lib))
     run_and_compare(batch, backend=backend)
     assert native_plans(backend) == [True]
 
