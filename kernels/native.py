@@ -37,6 +37,8 @@ FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-sh
 DISABLE_ENV = "PAGEDSERVE_NATIVE_KERNELS"
 #: Only the fused layer ops of ``kernels/fused.py`` (also off with ``DISABLE_ENV``).
 FUSED_ENV = "PAGEDSERVE_FUSED_OPS"
+#: The projection GEMM of ``kernels/gemm.py``: auto / 1 / 0 (also off with ``DISABLE_ENV``).
+GEMM_ENV = "PAGEDSERVE_NATIVE_GEMM"
 CACHE_ENV = "PAGEDSERVE_KERNEL_CACHE"
 
 
@@ -263,6 +265,11 @@ def switched_off(name: str) -> bool:
     return os.environ.get(name, "1").strip().lower() in ("0", "false", "no", "off")
 
 
+def switched_on(name: str) -> bool:
+    """Whether the variable ``name`` is set to 1/true/yes/on (not merely left at its default)."""
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
 _LOADED: NativeDecode | None = None
 _TRIED = False
 
@@ -283,7 +290,7 @@ def load() -> NativeDecode | None:
     return _LOADED
 
 
-__all__ = ["DecodeRows", "NativeDecode", "build", "load", "switched_off"]
+__all__ = ["DecodeRows", "NativeDecode", "build", "load", "switched_off", "switched_on"]
 
 
 if __name__ == "__main__":  # pragma: no cover - `python -m kernels.native`: prebuild

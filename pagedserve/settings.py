@@ -126,6 +126,11 @@ NATIVE_KERNELS = Setting(
 FUSED_OPS = Setting(
     "PAGEDSERVE_FUSED_OPS", "1", "0: no fused C layer ops (SwiGLU, add+RMSNorm, rope+KV write)"
 )
+NATIVE_GEMM = Setting(
+    "PAGEDSERVE_NATIVE_GEMM",
+    "auto",
+    "projection GEMM in C: auto (AVX2-only CPUs), 1 (every CPU) or 0 (oneDNN)",
+)
 KERNEL_CACHE = Setting(
     "PAGEDSERVE_KERNEL_CACHE",
     "",
@@ -151,6 +156,7 @@ SETTINGS: tuple[Setting, ...] = (
     EXPIRE_EVERY_S,
     NATIVE_KERNELS,
     FUSED_OPS,
+    NATIVE_GEMM,
     KERNEL_CACHE,
 )
 

@@ -169,12 +169,30 @@ def test_cpu_runner_keeps_large_freed_buffers_unless_told_not_to(
         assert (mapped, kept) == ("1", "False")
 
 
+def _packed(weight: object) -> bool:
+    """Packed for the C GEMM (kernels/gemm.py) or for oneDNN."""
+    from kernels.gemm import PanelWeight
+
+    return isinstance(weight, PanelWeight) or bool(getattr(weight, "is_mkldnn", False))
+
+
+@pytest.mark.parametrize("gemm", ["auto", "1", "0"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])  # untied and tied output heads
 def test_packed_projection_weights_give_the_plain_results(
-    make_tiny_model, monkeypatch: pytest.MonkeyPatch, family: str
+    make_tiny_model, monkeypatch: pytest.MonkeyPatch, family: str, gemm: str
 ) -> None:
-    """The CPU runner packs projections for oneDNN by default; logits of a mixed prefill +
-    decode batch match the plain weights' (float32 summation order aside)."""
+    """The CPU runner packs projections (for the C GEMM or oneDNN, as PAGEDSERVE_NATIVE_GEMM
+    says) by default; logits of a mixed prefill + decode batch match the plain weights'
+    (float32 summation order aside)."""
+    from kernels import gemm as native_gemm
+    from kernels.gemm import PanelWeight
+
+    monkeypatch.setenv("PAGEDSERVE_NATIVE_GEMM", gemm)
+    want_panels = native_gemm.for_packing() is not None
+    if gemm == "1" and not want_panels:
+        pytest.skip("no C compiler: the GEMM does not build")
+    if gemm == "0":
+        assert not want_panels
     model_dir = make_tiny_model(family)
     prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
     batch = SchedulerOutput(
@@ -189,8 +207,10 @@ def test_packed_projection_weights_give_the_plain_results(
         monkeypatch.setenv("PAGEDSERVE_PREPACK_WEIGHTS", setting)
         runner = ModelRunner(model_dir, EngineConfig(block_size=4, num_kv_blocks=8))
         attn = runner.model.layers[0].attn
-        assert attn.qkv_weight.is_mkldnn == (setting == "1")
-        assert runner.model.lm_head_weight.is_mkldnn == (setting == "1")
+        assert _packed(attn.qkv_weight) == (setting == "1")
+        assert _packed(runner.model.lm_head_weight) == (setting == "1")
+        if setting == "1":
+            assert isinstance(attn.qkv_weight, PanelWeight) == want_panels
         assert not runner.model.embed_weight.is_mkldnn  # lookups keep the plain table
         logits[setting] = runner.execute(batch)
     torch.testing.assert_close(logits["1"], logits["0"], rtol=1e-5, atol=1e-5)

@@ -73,7 +73,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model: CausalLM = load_model(model_dir, self.dtype, self.device)
         if self.device.type == "cpu" and prepack_enabled():
-            log.info("packed %d projection weights for oneDNN", self.model.pack_weights())
+            log.info("packed %d projection weights (C GEMM or oneDNN)", self.model.pack_weights())
         mc = self.model.config
         self.max_model_len = min(
             max_model_len or mc.max_position_embeddings, mc.max_position_embeddings

@@ -98,7 +98,7 @@ class CausalLM(nn.Module):
 
     # ------------------------------------------------------------------ weights
     def pack_weights(self) -> int:
-        """Put every projection (and the output head) in oneDNN's blocked layout, once, after
+        """Pack every projection (and the output head) for the C GEMM or oneDNN, once, after
         loading; returns how many were packed (0 where unsupported: not float32 on a CPU).
         Checkpoint loading no longer works on a packed model. A tied head gets a packed copy;
         the embedding itself stays plain for lookups."""

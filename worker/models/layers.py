@@ -16,7 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import AttentionBackend, AttentionMetadata
+from kernels import gemm as native_gemm
 from kernels.fused import FusedOps
+from kernels.gemm import PanelWeight
 from worker.models.config import ModelConfig
 from worker.models.rope import apply_rope
 
@@ -38,8 +40,11 @@ def _bucket_rows(m: int) -> int:
     return -(-m // step) * step
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, through oneDNN for 2-D float32 inputs on a CPU and for packed weights.
+def linear(
+    x: torch.Tensor, weight: torch.Tensor | PanelWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``F.linear``: through the C GEMM for a weight packed for it, else through oneDNN for 2-D
+    float32 inputs on a CPU and for oneDNN-packed weights.
 
     torch's default CPU GEMM (MKL) ran 15-60% slower than oneDNN's at the decode-sized shapes of
     the bench model on this project's AMD EPYC machines (e.g. 96 x 512 -> 3072: 119 vs 193
@@ -48,6 +53,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     padded to a bounded set of sizes: without that a worker's memory grew by ~100 MB over a
     5,000-job run.
     """
+    if isinstance(weight, PanelWeight):  # packed for the C GEMM (``pack_weight``)
+        return weight.matmul(x, bias)
     if weight.is_mkldnn or (  # packed weights (``pack_weight``) exist only where oneDNN does
         _ONEDNN_LINEAR is not None
         and x.dim() == 2
@@ -75,8 +82,13 @@ def _onednn_linear(
     return (out[:m] if rows != m else out).reshape(*lead, weight.shape[0])
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """A float32 CPU projection weight in oneDNN's blocked layout, or None where there is none.
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | PanelWeight | None:
+    """A float32 CPU projection weight packed for the C GEMM (:mod:`kernels.gemm`, where
+    ``PAGEDSERVE_NATIVE_GEMM`` selects it) or else in oneDNN's blocked layout; None where
+    neither applies.
+
+    Why the C GEMM on AVX2 machines: oneDNN ran the engine's decode-sized products (8-64 rows)
+    at 9-54 GFLOP/s on a Zen 3 EPYC, streaming cold weights at 3-6 GB/s; see kernels/gemm.py.
 
     Given a plain ``[out, in]`` weight, oneDNN re-blocks it inside every matmul call. Over a
     model whose weights do not fit the last-level cache that is one more pass over memory per
@@ -84,13 +96,12 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     rows, 16 weights of 6 MB in turn) ran 281 / 394 / 454 GFLOP/s against 173 / 320 / 393,
     and 2048-row ones 503 against 479 (2 EPYC cores).
     """
-    if (
-        _ONEDNN_REORDER is None
-        or _ONEDNN_LINEAR is None
-        or weight.dtype != torch.float32
-        or weight.device.type != "cpu"
-        or weight.dim() != 2
-    ):
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+        return None
+    gemm = native_gemm.for_packing()
+    if gemm is not None:
+        return gemm.pack(weight)
+    if _ONEDNN_REORDER is None or _ONEDNN_LINEAR is None:
         return None
     return _ONEDNN_REORDER(weight.detach())
 

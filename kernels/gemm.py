@@ -1,0 +1,152 @@
+"""Projection GEMM in C (``kernels/csrc/gemm.c``) for float32 weights on the CPU.
+
+A weight is packed once, after loading, into column panels (:class:`PanelWeight`);
+:func:`worker.models.layers.linear` then sends every product with it here. Built and cached
+like the decode kernel (:func:`kernels.native.build`; off with ``PAGEDSERVE_NATIVE_KERNELS=0``).
+
+``PAGEDSERVE_NATIVE_GEMM``: ``auto`` (default) uses it where the build has 8-float vectors (an
+AVX2 machine without AVX-512), which is where it was measured: on a 2-core Zen 3 EPYC it ran
+decode-sized products (8-96 rows) 1.3-2.3x oneDNN's with the same packed weights, 0.85-1.06x at
+2048 rows (bench/README.md). ``1`` uses it on every build (AVX-512 ones untimed: oneDNN ran
+445-500 GFLOP/s there); ``0`` never, and weights are packed for oneDNN as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kernels import native
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "gemm.c"
+#: The widest vector a build uses, in floats: 16 where it compiled for AVX-512.
+_WIDE_AVX512 = 32
+
+_P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+
+
+class NativeGemm:
+    """The loaded library: packs weights and multiplies by them."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        lib.ps_gemm_f32.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I32]
+        lib.ps_gemm_f32.restype = None
+        lib.ps_gemm_panel_width.restype = ctypes.c_int
+        self._lib = lib
+        #: Output columns per panel: 16 with 8-float vectors, 32 with 16-float ones.
+        self.panel_width = int(lib.ps_gemm_panel_width())
+
+    @property
+    def wide(self) -> bool:
+        """Whether this build uses AVX-512's 16-float vectors."""
+        return self.panel_width >= _WIDE_AVX512
+
+    def pack(self, weight: torch.Tensor) -> PanelWeight:
+        """``weight`` [out, in] (float32, CPU) as panels ``[ceil(out / NR), in, NR]``."""
+        if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+            raise ValueError("pack takes a 2-D float32 CPU weight")
+        n, k = weight.shape
+        nr = self.panel_width
+        padded = -(-n // nr) * nr
+        w = weight.detach()
+        if padded != n:
+            w = torch.cat([w, w.new_zeros(padded - n, k)])
+        panels = w.reshape(padded // nr, nr, k).transpose(1, 2).contiguous()
+        return PanelWeight(panels=panels, out_features=n, in_features=k, gemm=self)
+
+    def matmul(
+        self, x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``x @ W.T (+ bias)`` for 2-D float32 ``x`` with unit column stride."""
+        m, k = x.shape
+        if k != weight.in_features or x.dtype != torch.float32 or x.device.type != "cpu":
+            raise ValueError(f"x must be float32 [rows, {weight.in_features}] on the CPU")
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        if bias is not None:
+            bias = bias.detach().to(torch.float32).contiguous()
+            if bias.numel() != weight.out_features:
+                raise ValueError("bias must have one value per output column")
+        y = x.new_empty(m, weight.out_features)
+        self._lib.ps_gemm_f32(
+            x.data_ptr(), m, k, x.stride(0), weight.panels.data_ptr(), weight.out_features,
+            None if bias is None else bias.data_ptr(), y.data_ptr(), y.stride(0),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return y
+
+
+@dataclass(frozen=True, eq=False)
+class PanelWeight:
+    """A projection weight in :mod:`kernels.gemm`'s panel layout (what ``linear`` takes)."""
+
+    panels: torch.Tensor
+    out_features: int
+    in_features: int
+    gemm: NativeGemm
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(out, in)``, as the plain weight's."""
+        return self.out_features, self.in_features
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.panels.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.panels.device
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ W.T (+ bias)`` over any leading dimensions of ``x``."""
+        lead = x.shape[:-1]
+        y = self.gemm.matmul(x.reshape(-1, x.shape[-1]), self, bias)
+        return y.reshape(*lead, self.out_features)
+
+
+_LOADED: NativeGemm | None = None
+_TRIED = False
+
+
+def load(flags: list[str] | None = None) -> NativeGemm | None:
+    """The library, built on first call; None (logged once) when disabled or not buildable.
+    ``flags``: another build (the tests build the 8-float one on AVX-512 machines); not cached
+    in the module."""
+    global _LOADED, _TRIED
+    if flags is not None:
+        return NativeGemm(native.build(source=SOURCE, flags=flags))
+    if _TRIED:
+        return _LOADED
+    _TRIED = True
+    if native.switched_off(native.DISABLE_ENV):
+        log.info("native CPU GEMM disabled by %s", native.DISABLE_ENV)
+        return None
+    try:
+        _LOADED = NativeGemm(native.build(source=SOURCE))
+    except (OSError, RuntimeError) as exc:
+        log.warning("native CPU GEMM unavailable, projections stay on oneDNN: %s", exc)
+    return _LOADED
+
+
+def for_packing() -> NativeGemm | None:
+    """The library when projections should be packed for it (``PAGEDSERVE_NATIVE_GEMM``)."""
+    if native.switched_off(native.GEMM_ENV):
+        return None
+    gemm = load()
+    if gemm is None:
+        return None
+    if gemm.wide and not native.switched_on(native.GEMM_ENV):
+        return None  # AVX-512: oneDNN unless asked (see the module docstring)
+    return gemm
+
+
+__all__ = ["NativeGemm", "PanelWeight", "for_packing", "load"]

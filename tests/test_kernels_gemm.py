@@ -1,0 +1,115 @@
+"""The projection GEMM in C (kernels/csrc/gemm.c) against a float64 reference.
+
+Both builds are checked where the machine allows: this machine's (16-float vectors on AVX-512,
+8 elsewhere) and the 8-float one AVX2 machines compile (``-DPS_WIDE_LANES=8``), at the row
+counts an engine step has (1 row to a 2048-token prefill chunk, heights that leave every tile
+remainder), column counts that are not a multiple of a panel, with and without bias.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import gemm as native_gemm
+from kernels import native
+
+pytestmark = pytest.mark.skipif(native._compiler() is None, reason="no C compiler")
+
+NARROW = [*native.FLAGS, "-DPS_WIDE_LANES=8"]
+
+
+@pytest.fixture(scope="module", params=["machine", "narrow"])
+def gemm(request: pytest.FixtureRequest) -> native_gemm.NativeGemm:
+    lib = native_gemm.load(flags=None if request.param == "machine" else NARROW)
+    if lib is None:
+        lib = native_gemm.load(flags=native.FLAGS)
+    return lib
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    y = x.double() @ w.double().T
+    return (y if b is None else y + b.double()).float()
+
+
+def tolerance(k: int) -> float:
+    """float32 sums of k products of N(0, 1) values: error grows like sqrt(k) ulps of sqrt(k)."""
+    return 2e-6 * k
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 7, 13, 20, 48, 97, 300])
+@pytest.mark.parametrize("out_in", [(16, 8), (40, 24), (1000, 100), (96, 1536)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemm_matches_float64(
+    gemm: native_gemm.NativeGemm, rows: int, out_in: tuple[int, int], with_bias: bool
+) -> None:
+    n, k = out_in
+    gen = torch.Generator().manual_seed(rows * 7919 + n)
+    w = torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if with_bias else None
+    x = torch.randn(rows, k, generator=gen)
+    got = gemm.pack(w).matmul(x, b)
+    assert got.shape == (rows, n)
+    torch.testing.assert_close(got, reference(x, w, b), rtol=0, atol=tolerance(k))
+
+
+def test_large_prefill_rows_cross_the_row_chunks(gemm: native_gemm.NativeGemm) -> None:
+    """2048 rows x K 1536: several x chunks (the kernel's L2-sized row blocks) per call."""
+    gen = torch.Generator().manual_seed(3)
+    w, x = torch.randn(72, 1536, generator=gen), torch.randn(2048, 1536, generator=gen)
+    torch.testing.assert_close(gemm.pack(w).matmul(x), reference(x, w, None), rtol=0,
+                               atol=tolerance(1536))  # fmt: skip
+
+
+def test_a_row_gives_the_same_bits_alone_or_in_a_batch(gemm: native_gemm.NativeGemm) -> None:
+    """Each output is one ordered sum over k: a row's result does not depend on its batch, the
+    tile it lands in or the thread count (unlike blocked BLAS kernels)."""
+    gen = torch.Generator().manual_seed(5)
+    w, x = gemm.pack(torch.randn(300, 200, generator=gen)), torch.randn(37, 200, generator=gen)
+    batch = w.matmul(x)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        for r in (0, 5, 36):
+            assert torch.equal(w.matmul(x[r : r + 1]), batch[r : r + 1])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_strided_rows_leading_dims_and_empty_input(gemm: native_gemm.NativeGemm) -> None:
+    gen = torch.Generator().manual_seed(9)
+    weight = torch.randn(24, 16, generator=gen)
+    w = gemm.pack(weight)
+    wide = torch.randn(6, 40, generator=gen)
+    x = wide[:, 8:24]  # rows 40 floats apart
+    torch.testing.assert_close(w.matmul(x), reference(x, weight, None), rtol=0, atol=1e-4)
+    x3 = torch.randn(2, 3, 16, generator=gen)
+    torch.testing.assert_close(w.matmul(x3), x3 @ weight.T, rtol=0, atol=1e-4)
+    assert w.matmul(torch.empty(0, 16)).shape == (0, 24)
+    assert w.shape == (24, 16)
+
+
+def test_bad_inputs_are_refused(gemm: native_gemm.NativeGemm) -> None:
+    w = gemm.pack(torch.randn(8, 4))
+    with pytest.raises(ValueError):
+        w.matmul(torch.randn(3, 5))
+    with pytest.raises(ValueError):
+        w.matmul(torch.randn(3, 4), torch.randn(7))
+    with pytest.raises(ValueError):
+        gemm.pack(torch.randn(8, 4, dtype=torch.float64))
+
+
+def test_switch_selects_the_packing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PAGEDSERVE_NATIVE_GEMM: 0 packs for oneDNN; 1 for the C GEMM on every CPU; auto for it
+    only where it builds with 8-float vectors (measured there, kernels/gemm.py)."""
+    from worker.models.layers import pack_weight
+
+    weight = torch.randn(32, 16)
+    monkeypatch.setenv("PAGEDSERVE_NATIVE_GEMM", "0")
+    assert not isinstance(pack_weight(weight), native_gemm.PanelWeight)
+    monkeypatch.setenv("PAGEDSERVE_NATIVE_GEMM", "1")
+    assert isinstance(pack_weight(weight), native_gemm.PanelWeight)
+    monkeypatch.setenv("PAGEDSERVE_NATIVE_GEMM", "auto")
+    lib = native_gemm.load()
+    assert lib is not None
+    assert isinstance(pack_weight(weight), native_gemm.PanelWeight) == (not lib.wide)
