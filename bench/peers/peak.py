@@ -1,9 +1,10 @@
 """fp32 matmul FLOP/s of this machine with torch on N threads (the MFU denominator).
 
-Each shape is timed through torch's default GEMM (``torch.mm``) and through our engine's own
-projection path (``worker.models.layers.linear`` on a weight packed by ``pack_weight``: oneDNN);
+Each shape is timed through torch's default GEMM (``torch.mm``), through oneDNN with a packed
+weight (``_onednn``) and through our C GEMM (``_gemm``, :mod:`kernels.gemm`, where it builds);
 the peak is the best of all, so that MFU is measured against the fastest matmul this machine
-showed, not the slower of two libraries (on AMD CPUs oneDNN was 2-2.7x faster than the default).
+showed, not the slower of the libraries (on AMD CPUs oneDNN was 2-2.7x faster than the default;
+our GEMM beat oneDNN at decode shapes on an AVX2 EPYC and lost at a 2048 square).
 
 python -m bench.peers.peak THREADS RESULT_JSON
 """
@@ -25,18 +26,26 @@ SHAPES: dict[str, tuple[int, int, int]] = {
 
 
 def matmul_call(m: int, k: int, n: int, library: str) -> Callable[[], object]:
-    """A closure computing one [m, k] x [k, n] product with ``library`` ("mm" or "onednn")."""
+    """A closure computing one [m, k] x [k, n] product with ``library`` ("mm", "onednn" or
+    "gemm")."""
     import torch
 
-    from worker.models.layers import linear, pack_weight
+    from kernels import gemm
+    from worker.models import layers
 
     a = torch.randn(m, k)
     if library == "mm":
         b, c = torch.randn(k, n), torch.empty(m, n)
         return lambda: torch.mm(a, b, out=c)
     weight = torch.randn(n, k)  # nn.Linear layout, as the engine's projections hold it
-    packed = pack_weight(weight)
-    return lambda: linear(a, weight if packed is None else packed)
+    if library == "gemm":
+        lib = gemm.load()
+        assert lib is not None
+        packed = lib.pack(weight)
+        return lambda: packed.matmul(a)
+    reorder = layers._ONEDNN_REORDER
+    packed_dnn = weight if reorder is None else reorder(weight)
+    return lambda: layers.linear(a, packed_dnn)
 
 
 def gflops(m: int, k: int, n: int, library: str = "mm", min_seconds: float = 0.4) -> float:
@@ -57,18 +66,22 @@ def gflops(m: int, k: int, n: int, library: str = "mm", min_seconds: float = 0.4
 
 
 def libraries() -> list[str]:
-    import torch
+    from kernels import gemm
+    from worker.models import layers
 
-    from worker.models.layers import pack_weight
-
-    return ["mm", "onednn"] if pack_weight(torch.zeros(8, 8)) is not None else ["mm"]
+    libs = ["mm"]
+    if layers._ONEDNN_LINEAR is not None and layers._ONEDNN_REORDER is not None:
+        libs.append("onednn")
+    if gemm.load() is not None:
+        libs.append("gemm")
+    return libs
 
 
 def main() -> None:
     threads, out = int(sys.argv[1]), sys.argv[2]
     set_threads(threads)
     figures = {
-        name if lib == "mm" else f"{name}_onednn": round(gflops(*shape, library=lib), 1)
+        name if lib == "mm" else f"{name}_{lib}": round(gflops(*shape, library=lib), 1)
         for lib in libraries()
         for name, shape in SHAPES.items()
     }
