@@ -80,7 +80,6 @@ static inline __attribute__((always_inline)) void ps_gemm_tile(
         for (int j = 0; j < PS_GEMM_NRV * PS_WIDE_LANES / 16; ++j)
             __builtin_prefetch(wp + (k + PS_GEMM_PF) * PS_GEMM_NR + 16 * j, 0, PS_GEMM_PFL);
 #endif
-
         for (int j = 0; j < PS_GEMM_NRV; ++j) w[j] = ps_wload(wp + k * PS_GEMM_NR + j * PS_WIDE_LANES);
         for (int i = 0; i < mr; ++i) {
             const vwsf xb = ps_wbcast(x + i * ldx + k);
