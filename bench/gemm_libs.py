@@ -1,5 +1,6 @@
-"""Projection GEMMs per library and shape: MKL (``F.linear``) against our oneDNN path (packed and
-plain weights), at the row counts an engine step has, hot and cold. Prints one JSON line.
+"""Projection GEMMs per library and shape: MKL (``F.linear``), oneDNN (packed and plain weights)
+and our C GEMM (``native_gemm``, :mod:`kernels.gemm`, where it builds), at the row counts an
+engine step has, hot and cold. Prints one JSON line.
 
 Why: which library is faster depends on the CPU and the shape (on the AMD machines of earlier
 sessions oneDNN won most decode shapes by 1.5-2x; on an Intel Xeon it did not everywhere), so
@@ -22,14 +23,16 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import emit
-from worker.models.layers import linear, pack_weight
+from kernels import gemm
+from worker.models import layers
+from worker.models.layers import linear
 
 #: Projection shapes (out, in) of the fused qkv, o, fused gate/up and down products.
 MODELS: dict[str, dict[str, tuple[int, int]]] = {
     "bench": {"qkv": (1024, 512), "o": (512, 512), "gate_up": (3072, 512), "down": (512, 1536)},
     "smollm2": {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)},
 }
-LIBRARIES = ("mkl", "onednn_packed", "onednn_plain")
+LIBRARIES = ("mkl", "onednn_packed", "onednn_plain", "native_gemm")
 
 
 def best_seconds(fn: Callable[[], object], min_seconds: float) -> float:
@@ -46,13 +49,17 @@ def best_seconds(fn: Callable[[], object], min_seconds: float) -> float:
 
 def products(weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     """Each library's ``x -> x @ weight.T``."""
-    packed = pack_weight(weight)
     out: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
         "mkl": lambda x: F.linear(x, weight),
         "onednn_plain": lambda x: linear(x, weight),
     }
-    if packed is not None:
+    if layers._ONEDNN_REORDER is not None:
+        packed = layers._ONEDNN_REORDER(weight)
         out["onednn_packed"] = lambda x: linear(x, packed)
+    lib = gemm.load()
+    if lib is not None:
+        panels = lib.pack(weight)
+        out["native_gemm"] = panels.matmul
     return out
 
 
