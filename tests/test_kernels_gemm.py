@@ -1,7 +1,9 @@
 """The projection GEMM in C (kernels/csrc/gemm.c) against a float64 reference.
 
-Both builds are checked where the machine allows: this machine's (16-float vectors on AVX-512,
-8 elsewhere) and the 8-float one AVX2 machines compile (``-DPS_WIDE_LANES=8``), at the row
+Three builds: this machine's (16-float vectors on AVX-512, 8 elsewhere), the 8-float one AVX2
+machines compile (``-DPS_WIDE_LANES=8``) and the 16-float one (``-DPS_WIDE_LANES=16``: 12 x 32
+tiles; on an AVX2 machine GCC runs each 16-float vector as two, so its logic is tested here
+too), at the row
 counts an engine step has (1 row to a 2048-token prefill chunk, heights that leave every tile
 remainder), column counts that are not a multiple of a panel, with and without bias.
 """
@@ -16,14 +18,18 @@ from kernels import native
 
 pytestmark = pytest.mark.skipif(native._compiler() is None, reason="no C compiler")
 
-NARROW = [*native.FLAGS, "-DPS_WIDE_LANES=8"]
+BUILDS = {
+    "machine": native.FLAGS,
+    "narrow": [*native.FLAGS, "-DPS_WIDE_LANES=8"],
+    "wide": [*native.FLAGS, "-DPS_WIDE_LANES=16"],
+}
 
 
-@pytest.fixture(scope="module", params=["machine", "narrow"])
+@pytest.fixture(scope="module", params=list(BUILDS))
 def gemm(request: pytest.FixtureRequest) -> native_gemm.NativeGemm:
-    lib = native_gemm.load(flags=None if request.param == "machine" else NARROW)
-    if lib is None:
-        lib = native_gemm.load(flags=native.FLAGS)
+    lib = native_gemm.load(flags=BUILDS[request.param])
+    assert lib is not None
+    assert lib.panel_width == {"narrow": 16, "wide": 32}.get(request.param, lib.panel_width)
     return lib
 
 
@@ -37,7 +43,7 @@ def tolerance(k: int) -> float:
     return 2e-6 * k
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 7, 13, 20, 48, 97, 300])
+@pytest.mark.parametrize("rows", [1, 2, 5, 7, 8, 9, 13, 20, 33, 48, 97, 300])
 @pytest.mark.parametrize("out_in", [(16, 8), (40, 24), (1000, 100), (96, 1536)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_gemm_matches_float64(
@@ -59,6 +65,20 @@ def test_large_prefill_rows_cross_the_row_chunks(gemm: native_gemm.NativeGemm) -
     w, x = torch.randn(72, 1536, generator=gen), torch.randn(2048, 1536, generator=gen)
     torch.testing.assert_close(gemm.pack(w).matmul(x), reference(x, w, None), rtol=0,
                                atol=tolerance(1536))  # fmt: skip
+
+
+def test_long_k_runs_in_slices_with_the_same_sums(gemm: native_gemm.NativeGemm) -> None:
+    """K above the kernel's one-pass limit with many rows goes in k slices through partial sums
+    in y; the sums are the same additions in the same order as one pass over K: each row of a
+    300-row call equals that row computed alone (one pass, 1 row), bit for bit, also in the last
+    panel of an N that is not a multiple of the panel width (the one that runs K whole)."""
+    gen = torch.Generator().manual_seed(11)
+    weight, bias = torch.randn(56, 3000, generator=gen), torch.randn(56, generator=gen)
+    w, x = gemm.pack(weight), torch.randn(300, 3000, generator=gen)
+    batch = w.matmul(x, bias)
+    for r in (0, 150, 299):
+        assert torch.equal(w.matmul(x[r : r + 1], bias), batch[r : r + 1])
+    torch.testing.assert_close(batch, reference(x, weight, bias), rtol=0, atol=tolerance(3000))
 
 
 def test_a_row_gives_the_same_bits_alone_or_in_a_batch(gemm: native_gemm.NativeGemm) -> None:
