@@ -130,6 +130,24 @@ def test_renew_keeps_entries_from_being_reclaimed(redis_url: str) -> None:
     assert rec is not None and rec.worker == "A" and rec.status == JobStatus.RUNNING
 
 
+def test_reclaim_leaves_the_callers_held_jobs_alone(redis_url: str) -> None:
+    """XAUTOCLAIM returns the caller's own idle entries too: a job it still serves (``held``)
+    is not leased again, so its delivery count does not grow; an own entry it no longer holds
+    (a write lost in a failover, say) is taken back as before."""
+    a = JobStore(redis_url)
+    a.enqueue("held", req())
+    a.enqueue("orphan", req())
+    leases = a.claim("A", 2)
+    time.sleep(0.05)
+    taken = a.reclaim("A", min_idle_ms=10, max_jobs=10, held={"held"})
+    assert [(x.job_id, x.deliveries, x.fence) for x in taken] == [("orphan", 2, 2)]
+    held = next(x for x in leases if x.job_id == "held")
+    assert a.renew([held]) == []  # its first lease still stands
+    rec = a.get("held")
+    assert rec is not None and rec.status == JobStatus.RUNNING and rec.worker == "A"
+    assert int(a.r.hget(a.keys.job("held"), "deliveries")) == 1
+
+
 def test_dead_letter_after_max_deliveries(redis_url: str) -> None:
     s = JobStore(redis_url, max_deliveries=2)
     s.enqueue("j", req())
