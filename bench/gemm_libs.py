@@ -53,8 +53,8 @@ def products(weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.T
         "mkl": lambda x: F.linear(x, weight),
         "onednn_plain": lambda x: linear(x, weight),
     }
-    if layers._ONEDNN_REORDER is not None:
-        packed = layers._ONEDNN_REORDER(weight)
+    packed = layers.pack_for_onednn(weight)
+    if packed is not None:
         out["onednn_packed"] = lambda x: linear(x, packed)
     lib = gemm.load()
     if lib is not None:

@@ -25,8 +25,8 @@ from kernels import native
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "gemm.c"
-#: The widest vector a build uses, in floats: 16 where it compiled for AVX-512.
-_WIDE_AVX512 = 32
+#: Panel width of a build with AVX-512's 16-float vectors (two vectors per panel row).
+_WIDE_PANEL = 32
 
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 
@@ -47,7 +47,7 @@ class NativeGemm:
     @property
     def wide(self) -> bool:
         """Whether this build uses AVX-512's 16-float vectors."""
-        return self.panel_width >= _WIDE_AVX512
+        return self.panel_width >= _WIDE_PANEL
 
     def pack(self, weight: torch.Tensor) -> PanelWeight:
         """``weight`` [out, in] (float32, CPU) as panels ``[ceil(out / NR), in, NR]``."""
@@ -98,14 +98,6 @@ class PanelWeight:
         """``(out, in)``, as the plain weight's."""
         return self.out_features, self.in_features
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.panels.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.panels.device
-
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T (+ bias)`` over any leading dimensions of ``x``."""
         lead = x.shape[:-1]
@@ -119,8 +111,8 @@ _TRIED = False
 
 def load(flags: list[str] | None = None) -> NativeGemm | None:
     """The library, built on first call; None (logged once) when disabled or not buildable.
-    ``flags``: another build (the tests build the 8-float one on AVX-512 machines); not cached
-    in the module."""
+    ``flags``: another build (the tests build the 8- and 16-float ones on every machine); not
+    cached in the module."""
     global _LOADED, _TRIED
     if flags is not None:
         return NativeGemm(native.build(source=SOURCE, flags=flags))

@@ -212,7 +212,10 @@ class Worker:
                 cap = self._capacity()
                 if cap:
                     got = self._redis(
-                        self.store.reclaim, self.cfg.worker_id, self.cfg.reclaim_ms, cap,
+                        self.store.reclaim,
+                        self.cfg.worker_id,
+                        self.cfg.reclaim_ms,
+                        cap,
                         self.jobs,
                     )
                     self._admit(got)

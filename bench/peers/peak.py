@@ -43,8 +43,8 @@ def matmul_call(m: int, k: int, n: int, library: str) -> Callable[[], object]:
         assert lib is not None
         packed = lib.pack(weight)
         return lambda: packed.matmul(a)
-    reorder = layers._ONEDNN_REORDER
-    packed_dnn = weight if reorder is None else reorder(weight)
+    packed_dnn = layers.pack_for_onednn(weight)
+    assert packed_dnn is not None
     return lambda: layers.linear(a, packed_dnn)
 
 
@@ -66,11 +66,13 @@ def gflops(m: int, k: int, n: int, library: str = "mm", min_seconds: float = 0.4
 
 
 def libraries() -> list[str]:
+    import torch
+
     from kernels import gemm
     from worker.models import layers
 
     libs = ["mm"]
-    if layers._ONEDNN_LINEAR is not None and layers._ONEDNN_REORDER is not None:
+    if layers.pack_for_onednn(torch.zeros(8, 8)) is not None:
         libs.append("onednn")
     if gemm.load() is not None:
         libs.append("gemm")

@@ -101,6 +101,12 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | PanelWeight | None:
     gemm = native_gemm.for_packing()
     if gemm is not None:
         return gemm.pack(weight)
+    return pack_for_onednn(weight)
+
+
+def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` in oneDNN's blocked layout (what ``linear`` runs through oneDNN), or None
+    where this torch has no oneDNN linear."""
     if _ONEDNN_REORDER is None or _ONEDNN_LINEAR is None:
         return None
     return _ONEDNN_REORDER(weight.detach())
