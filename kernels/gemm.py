@@ -4,11 +4,13 @@ A weight is packed once, after loading, into column panels (:class:`PanelWeight`
 :func:`worker.models.layers.linear` then sends every product with it here. Built and cached
 like the decode kernel (:func:`kernels.native.build`; off with ``PAGEDSERVE_NATIVE_KERNELS=0``).
 
-``PAGEDSERVE_NATIVE_GEMM``: ``auto`` (default) uses it where the build has 8-float vectors (an
-AVX2 machine without AVX-512), which is where it was measured: on a 2-core Zen 3 EPYC it ran
-decode-sized products (8-96 rows) 1.3-2.3x oneDNN's with the same packed weights, 0.85-1.06x at
-2048 rows (bench/README.md). ``1`` uses it on every build (AVX-512 ones untimed: oneDNN ran
-445-500 GFLOP/s there); ``0`` never, and weights are packed for oneDNN as before.
+``PAGEDSERVE_NATIVE_GEMM``: ``auto`` (default) and ``1`` use it wherever it builds; ``0`` never,
+and weights are packed for oneDNN as before. Measured against oneDNN with the same packed
+weights (bench/README.md, 2 threads): on a Zen 3 EPYC (AVX2, 8-float build) decode-sized products
+(8-96 rows) 1.3-2.3x, 0.85-1.06x at 2048 rows; on a Zen 5 EPYC (AVX-512, 16-float build) 1.3-1.8x
+at 8 rows, 1.0-1.5x at 48, 0.94-1.03x at 256-2048, and 30 layers of cold weights at 16 / 48 rows
+in 0.79-0.82x / 0.65-0.92x of oneDNN's time. ``auto`` is kept apart from ``1`` so that a CPU kind
+where oneDNN wins can be told apart later without changing what ``1`` means.
 """
 
 from __future__ import annotations
@@ -133,12 +135,7 @@ def for_packing() -> NativeGemm | None:
     """The library when projections should be packed for it (``PAGEDSERVE_NATIVE_GEMM``)."""
     if native.switched_off(native.GEMM_ENV):
         return None
-    gemm = load()
-    if gemm is None:
-        return None
-    if gemm.wide and not native.switched_on(native.GEMM_ENV):
-        return None  # AVX-512: oneDNN unless asked (see the module docstring)
-    return gemm
+    return load()
 
 
 __all__ = ["NativeGemm", "PanelWeight", "for_packing", "load"]

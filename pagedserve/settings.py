@@ -129,7 +129,7 @@ FUSED_OPS = Setting(
 NATIVE_GEMM = Setting(
     "PAGEDSERVE_NATIVE_GEMM",
     "auto",
-    "projection GEMM in C: auto (AVX2-only CPUs), 1 (every CPU) or 0 (oneDNN)",
+    "projection GEMM in C: auto or 1 (wherever it builds) or 0 (oneDNN)",
 )
 KERNEL_CACHE = Setting(
     "PAGEDSERVE_KERNEL_CACHE",

@@ -120,8 +120,8 @@ def test_bad_inputs_are_refused(gemm: native_gemm.NativeGemm) -> None:
 
 
 def test_switch_selects_the_packing(monkeypatch: pytest.MonkeyPatch) -> None:
-    """PAGEDSERVE_NATIVE_GEMM: 0 packs for oneDNN; 1 for the C GEMM on every CPU; auto for it
-    only where it builds with 8-float vectors (measured there, kernels/gemm.py)."""
+    """PAGEDSERVE_NATIVE_GEMM: 0 packs for oneDNN; 1 and auto for the C GEMM on every CPU (where
+    it builds: measured ahead of oneDNN on AVX2 and AVX-512 machines, kernels/gemm.py)."""
     from worker.models.layers import pack_weight
 
     weight = torch.randn(32, 16)
@@ -130,6 +130,5 @@ def test_switch_selects_the_packing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PAGEDSERVE_NATIVE_GEMM", "1")
     assert isinstance(pack_weight(weight), native_gemm.PanelWeight)
     monkeypatch.setenv("PAGEDSERVE_NATIVE_GEMM", "auto")
-    lib = native_gemm.load()
-    assert lib is not None
-    assert isinstance(pack_weight(weight), native_gemm.PanelWeight) == (not lib.wide)
+    assert native_gemm.load() is not None
+    assert isinstance(pack_weight(weight), native_gemm.PanelWeight)

@@ -87,8 +87,9 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | PanelWeight | None:
     ``PAGEDSERVE_NATIVE_GEMM`` selects it) or else in oneDNN's blocked layout; None where
     neither applies.
 
-    Why the C GEMM on AVX2 machines: oneDNN ran the engine's decode-sized products (8-64 rows)
-    at 9-54 GFLOP/s on a Zen 3 EPYC, streaming cold weights at 3-6 GB/s; see kernels/gemm.py.
+    Why the C GEMM: oneDNN ran the engine's decode-sized products (8-64 rows) at 9-54 GFLOP/s
+    on a Zen 3 EPYC, streaming cold weights at 3-6 GB/s; on a Zen 5 one it ran them at 0.55-0.95x
+    the C GEMM's rate; see kernels/gemm.py.
 
     Given a plain ``[out, in]`` weight, oneDNN re-blocks it inside every matmul call. Over a
     model whose weights do not fit the last-level cache that is one more pass over memory per
