@@ -91,6 +91,27 @@ class Group:
         )  # fmt: skip
 
 
+def claim_round(
+    store: JobStore, consumer: str, cap: int, block_ms: int, req: AdmissionRequest | None
+) -> tuple[list[Lease], Admitted | None]:
+    """One claim round (on the claimer's thread, :mod:`worker.claimer`): interactive (and own
+    pending) entries as before, then bulk jobs by prefix (``req``); when nothing came, wait
+    ``block_ms`` for new work. Without ``req`` (``admission = "fcfs"``): the plain claim, in
+    arrival order, interactive first."""
+    if req is None:
+        return store.claim(consumer, cap, block_ms), None
+    leases = store.claim(consumer, cap, 0, priorities=("interactive",))
+    admitted = None
+    if cap - len(leases) > 0:
+        admitted = store.admit_bulk(consumer, cap - len(leases), req)
+        leases += admitted.leases
+    if not leases and block_ms > 0:
+        # Idle: wait on both streams as the plain claim does, so that idle workers share new
+        # work (a blocked read delivers one entry each); later rounds go by prefix again.
+        leases = store.claim(consumer, cap, block_ms)
+    return leases, admitted
+
+
 def _probe_of(token_ids: list[int], block_size: int) -> list[tuple[BlockHash, tuple[int, ...]]]:
     """Block hashes (as the scheduler chains them, no salt) of a prompt's full blocks but the
     last token's, each with its tokens (a tuple: what the pool's lookup compares)."""
@@ -118,25 +139,17 @@ class PrefixAdmission:
         self.stats = RoundStats()
 
     # ----------------------------------------------------------------- claim
-    def claim(self, store: JobStore, consumer: str, cap: int, block_ms: int) -> list[Lease]:
-        """Interactive (and own pending) entries as before, then bulk by prefix; when nothing
-        came, wait ``block_ms`` for new work. With ``admission = "fcfs"``: the plain claim
-        (arrival order, interactive first)."""
-        if self.cfg.admission == "fcfs":
-            return store.claim(consumer, cap, block_ms)
-        leases = store.claim(consumer, cap, 0, priorities=("interactive",))
-        rest, waiting = cap - len(leases), 0
-        if rest > 0:
-            got = store.admit_bulk(consumer, rest, self.request())
-            self._took(got)
-            leases += got.leases
-            waiting = got.waiting
-        self.stats.add(cap, len(leases), waiting)
-        if not leases and block_ms > 0:
-            # Idle: wait on both streams as the plain claim does, so that idle workers share new
-            # work (a blocked read delivers one entry each); later rounds go by prefix again.
-            leases = store.claim(consumer, cap, block_ms)
-        return leases
+    def order_request(self) -> AdmissionRequest | None:
+        """The admission request of the next claim round (this worker's cache, on the loop's
+        thread); None with ``admission = "fcfs"`` (arrival order)."""
+        return None if self.cfg.admission == "fcfs" else self.request()
+
+    def claimed(self, cap: int, leases: list[Lease], admitted: Admitted | None) -> None:
+        """Book what a claim round of ``cap`` seats took (on the loop's thread)."""
+        if admitted is not None:
+            self._took(admitted)
+        if self.cfg.admission != "fcfs":
+            self.stats.add(cap, len(leases), admitted.waiting if admitted is not None else 0)
 
     def request(self) -> AdmissionRequest:
         self._update()

@@ -4,8 +4,9 @@ One iteration of the loop:
 
 1. Redis housekeeping, each at its own rate: claim as many jobs as ``engine.free_capacity()``
    allows (the queue is the backpressure; ``store.claim`` orders own pending entries first, then
-   interactive before bulk), reclaim entries of dead workers (XAUTOCLAIM), renew the leases of
-   running jobs, publish the heartbeat.
+   interactive before bulk) and reclaim entries of dead workers (XAUTOCLAIM), both as orders to
+   ``worker.claimer``, whose thread runs the round trips while the loop steps on (an idle loop
+   waits for its blocking read); renew the leases of running jobs, publish the heartbeat.
 2. ``engine.step()`` when the engine has work.
 3. The step's writes (each job's deltas once per ``progress_interval_s``, or
    ``bulk_progress_interval_s`` for bulk jobs; a first token at once; final writes) go to
@@ -24,7 +25,7 @@ A job's tokens and text are the engine's: each step's ``RequestOutput`` is cumul
 loop's per-job state (``worker.job_state``) is the lease, a flush timer and a cursor of what was
 published. Around this module: ``worker.service_config`` (options and argparse),
 ``worker.redis_guard`` (backoff, Redis clock), ``worker.service_telemetry`` (the heartbeat),
-``worker.writer`` (the writes' thread).
+``worker.writer`` (the writes' thread), ``worker.claimer`` (the claims' thread).
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ from pagedserve.jobstore.admission import admission_for_shards
 from pagedserve.keys import PREFIX_ENV
 from pagedserve.store import Finish, JobStore, Lease, Progress, StepResult, WriteError
 from pagedserve.telemetry import WorkerHeartbeat
-from worker.admission import PrefixAdmission
+from worker.admission import PrefixAdmission, claim_round
+from worker.claimer import Claimed, Claimer, ClaimOrder
 from worker.job_state import JobState, partial_result, result_of
 from worker.outputs import RequestOutput, RequestRejected
 from worker.pretokenize import Pretokenizer
@@ -91,6 +93,7 @@ class Worker:
         self.unsent: list[Finish] = []  # this iteration's final writes, for the writer
         self.unsent_progress: list[Progress] = []
         self.writer = Writer(store, cfg.worker_id, cfg.cancel_poll_s)
+        self.claimer = Claimer(store, cfg.worker_id, claim_round)
         self.urgent: list[JobState] = []  # to flush at the next step (first token, replay)
         self.next_flush = 0.0  # when the interactive jobs' progress is flushed next
         self.next_bulk_flush = 0.0  # ... and the bulk jobs' too
@@ -120,8 +123,6 @@ class Worker:
         created = self._created_at([x.job_id for x in leases]) if leases else []
         for lease, created_at in zip(leases, created, strict=True):
             self._admit_one(lease, created_at)
-        for lease, reason in self.store.take_malformed():
-            self._fail(lease, reason)
 
     def _created_at(self, job_ids: list[str]) -> list[float]:
         pipe = self.store.r.pipeline(transaction=False)
@@ -206,19 +207,6 @@ class Worker:
                 lost = self._redis(self.store.renew, [s.lease for s in self.jobs.values()])
                 self.last_renew = now
                 self._drop_lost(lost)
-            own_done = self.store.own_pending_read(self.cfg.worker_id)
-            if own_done and now - self.last_reclaim >= self.cfg.reclaim_interval_s:
-                self.last_reclaim = now
-                cap = self._capacity()
-                if cap:
-                    got = self._redis(
-                        self.store.reclaim,
-                        self.cfg.worker_id,
-                        self.cfg.reclaim_ms,
-                        cap,
-                        self.jobs,
-                    )
-                    self._admit(got)
             self._claim()
             if now - self.last_hb >= self.cfg.heartbeat_s:
                 self.last_hb = now
@@ -227,20 +215,45 @@ class Worker:
             pass
 
     def _claim(self) -> None:
+        """Take the claimer's finished round, if any, and order the next one when due. The
+        round trips run on the claimer's thread (:mod:`worker.claimer`); an idle loop waits
+        here for its blocking read instead (a little longer than the read: the hand-over)."""
+        idle_wait = self.cfg.idle_block_ms / 1e3 + 0.05
+        got = self.claimer.take(0.0 if self._busy() else idle_wait)
+        if got is not None:
+            self._claimed(got)
         cap = self._capacity()
-        if cap <= 0:
+        if self.claimer.pending or cap <= 0:
             return
-        busy = self.engine.has_unfinished() or bool(self.unsent) or len(self.pretok) > 0
-        now = time.monotonic()
+        busy, now = self._busy(), time.monotonic()
         if busy and now - self.last_claim < self.cfg.claim_interval_s:
             return
-        block = 0 if busy else self.cfg.idle_block_ms
-        got = self._redis(self.admission.claim, self.store, self.cfg.worker_id, cap, block)
-        self.last_claim = 0.0 if got else now
-        if self.draining:  # SIGTERM came during the claim: what it took has not started here
-            self._hand_back(got)
-            got = []
-        self._admit(got)
+        reclaim = now - self.last_reclaim >= self.cfg.reclaim_interval_s
+        if reclaim:
+            self.last_reclaim = now
+        self.claimer.ask(ClaimOrder(
+            cap, 0 if busy else self.cfg.idle_block_ms, self.admission.order_request(),
+            reclaim_ms=self.cfg.reclaim_ms if reclaim else 0, held=frozenset(self.jobs),
+        ))  # fmt: skip
+        if not busy and (got := self.claimer.take(idle_wait)) is not None:
+            self._claimed(got)
+
+    def _busy(self) -> bool:
+        """Work in hand: running jobs, unsent final writes, prompts being tokenized."""
+        return self.engine.has_unfinished() or bool(self.unsent) or len(self.pretok) > 0
+
+    def _claimed(self, got: Claimed) -> None:
+        """Admit what a claim round took (handed back instead while draining); leases whose
+        stored request does not parse fail at once."""
+        self.admission.claimed(got.order.cap, got.leases, got.admitted)
+        self.last_claim = 0.0 if got.leases else time.monotonic()
+        leases = got.leases
+        if self.draining:  # SIGTERM came during the round: what it took has not started here
+            self._hand_back(leases)
+            leases = []
+        self._admit(leases)
+        for lease, reason in got.malformed:
+            self._fail(lease, reason)
 
     def _hand_back(self, leases: Sequence[Lease]) -> None:
         for lease in leases:
@@ -359,12 +372,16 @@ class Worker:
         return self.telemetry.heartbeat(
             worker_id=self.cfg.worker_id,
             model=getattr(self.engine, "model_name", ""),
-            state="reconnecting" if not (self.guard.ok and self.writer.guard.ok) else state,
+            state="reconnecting" if not self.redis_ok() else state,
             engine=self.engine.heartbeat_stats(),
             jobs=self.jobs,
             context=self.pretok.context,
             prefixes=self.admission.telemetry(),
         )
+
+    def redis_ok(self) -> bool:
+        """Whether the loop, the writer and the claimer all reach Redis."""
+        return self.guard.ok and self.writer.guard.ok and self.claimer.guard.ok
 
     def _heartbeat(self) -> None:
         self._redis(self.admission.refresh, self.store, self.cfg.worker_id)
@@ -373,8 +390,12 @@ class Worker:
         self._redis(self.store.heartbeat, self.cfg.worker_id, hb.model_dump(mode="json"), ttl)
 
     def close(self, timeout: float) -> bool:
-        """Stop the writer thread after what it holds is written (retrying a down Redis for up
-        to ``timeout`` s); ``True`` if everything was written. :meth:`run` ends with it."""
+        """Stop the claimer (what a round still running took is handed back) and the writer
+        thread after what it holds is written (retrying a down Redis for up to ``timeout`` s);
+        ``True`` if everything was written. :meth:`run` ends with it."""
+        got = self.claimer.close(timeout)
+        if got is not None:
+            self._hand_back(got.leases + [lease for lease, _ in got.malformed])
         return self.writer.close(timeout)
 
     # ----------------------------------------------------------------- main loop
@@ -383,7 +404,8 @@ class Worker:
         log.info("worker %s serving %s", self.cfg.worker_id, self.engine.model_name)
         while True:
             if self.draining:
-                if not self.jobs and not self.unsent and self.writer.idle():
+                if (not self.jobs and not self.unsent and self.writer.idle()
+                        and not self.claimer.pending):  # fmt: skip
                     break
                 if time.monotonic() >= self.drain_deadline:
                     self.drain_expired()

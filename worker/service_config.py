@@ -50,7 +50,9 @@ class ServiceConfig:
     bulk_progress_interval_ms: float = field(
         default=500.0, metadata=opt("at most one progress write per bulk job per this many ms")
     )
-    heartbeat_s: float = 1.0
+    heartbeat_s: float = field(
+        default=1.0, metadata=opt("seconds between heartbeats (the API's view of this worker)")
+    )
     idle_block_ms: int = 100  # blocking claim when the engine is idle
     # Least time between non-blocking claims while busy after one found nothing (a claim that
     # found jobs is repeated at once); new work waits at most this long for a busy worker.
