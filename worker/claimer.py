@@ -24,6 +24,7 @@ retry time on the thread, never on the loop.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -56,6 +57,8 @@ class Claimed:
     leases: list[Lease] = field(default_factory=list)  # reclaimed first, then claimed
     admitted: Admitted | None = None  # the prefix admission round's answer, for its bookkeeping
     malformed: list[tuple[Lease, str]] = field(default_factory=list)  # leased, to be failed
+    #: When each leased job was submitted (its record's ``created_at``, Redis clock), if known.
+    created_at: dict[str, float] = field(default_factory=dict)
     down: bool = False  # Redis was unreachable for (part of) the round
 
 
@@ -150,6 +153,24 @@ class Claimer:
             log.exception("claimer: claim round failed")
             out.down = True
         out.malformed = self.store.take_malformed()
+        if out.leases and not out.down:
+            out.created_at = self._created_at([x.job_id for x in out.leases])
+        return out
+
+    def _created_at(self, job_ids: list[str]) -> dict[str, float]:
+        """The jobs' submission times (for the time-to-first-token and latency metrics), in one
+        round trip; a job whose time cannot be read is left out (the loop uses its own now)."""
+        pipe = self.store.r.pipeline(transaction=False)
+        for jid in job_ids:
+            pipe.hget(self.store.keys.job(jid), "created_at")
+        try:
+            values = self.guard.call(pipe.execute, raise_on_error=False)
+        except RedisDown:
+            return {}
+        out = {}
+        for jid, v in zip(job_ids, values, strict=True):
+            with contextlib.suppress(TypeError, ValueError):
+                out[jid] = float(v)
         return out
 
 

@@ -35,7 +35,7 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -119,22 +119,12 @@ class Worker:
             return 0
         return max(0, min(MAX_CLAIM, self.engine.free_capacity() - len(self.pretok)))
 
-    def _admit(self, leases: list[Lease]) -> None:
-        created = self._created_at([x.job_id for x in leases]) if leases else []
-        for lease, created_at in zip(leases, created, strict=True):
-            self._admit_one(lease, created_at)
-
-    def _created_at(self, job_ids: list[str]) -> list[float]:
-        pipe = self.store.r.pipeline(transaction=False)
-        for jid in job_ids:
-            pipe.hget(self.store.keys.job(jid), "created_at")
-        try:
-            values = self._redis(pipe.execute, raise_on_error=False)
-            values = [None if isinstance(v, Exception) else v for v in values]
-        except RedisDown:
-            values = [None] * len(job_ids)
+    def _admit(self, leases: list[Lease], created_at: Mapping[str, float]) -> None:
+        """Start the leased jobs; ``created_at``: their submission times (Redis clock), where
+        known (else now)."""
         now = self.guard.now()
-        return [float(v) if v else now for v in values]
+        for lease in leases:
+            self._admit_one(lease, created_at.get(lease.job_id, now))
 
     def _admit_one(self, lease: Lease, created_at: float) -> None:
         req = lease.request
@@ -251,7 +241,7 @@ class Worker:
         if self.draining:  # SIGTERM came during the round: what it took has not started here
             self._hand_back(leases)
             leases = []
-        self._admit(leases)
+        self._admit(leases, got.created_at)
         for lease, reason in got.malformed:
             self._fail(lease, reason)
 
