@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 from pydantic import ValidationError
 
-from pagedserve.keys import GROUP
+from pagedserve.keys import GROUP, WINDOW_CONSUMER
 from pagedserve.redis_util import connect
 from pagedserve.schemas import Completion, JobRequest, JobResult, JobStatus
 from pagedserve.store import Finish, JobStore, Progress
@@ -146,6 +146,26 @@ def test_reclaim_leaves_the_callers_held_jobs_alone(redis_url: str) -> None:
     rec = a.get("held")
     assert rec is not None and rec.status == JobStatus.RUNNING and rec.worker == "A"
     assert int(a.r.hget(a.keys.job("held"), "deliveries")) == 1
+
+
+def test_reclaim_leaves_the_admission_window_alone(redis_url: str) -> None:
+    """Entries waiting in the admission window (pending under its consumer, which no process
+    runs) are not a dead worker's: however long they wait, reclaim does not take them, while a
+    dead worker's idle entry behind them is taken (the reclaim cursor walks past the window)."""
+    a = JobStore(redis_url)
+    for jid in ("w1", "w2", "dead"):
+        a.enqueue(jid, req(priority="bulk"))
+    a.ensure_groups()
+    stream = a.keys.stream("bulk")
+    a.r.xreadgroup(GROUP, WINDOW_CONSUMER, {stream: ">"}, count=2)  # into the window
+    (gone,) = a.claim("gone-worker", 1)
+    assert gone.job_id == "dead"
+    time.sleep(0.05)
+    taken = a.reclaim("B", min_idle_ms=10, max_jobs=10)
+    assert [(x.job_id, x.deliveries) for x in taken] == [("dead", 2)]
+    window = a.r.xpending_range(stream, GROUP, "-", "+", 10, consumername=WINDOW_CONSUMER)
+    assert len(window) == 2 and all(w["times_delivered"] == 1 for w in window)
+    assert a.reclaim("B", min_idle_ms=10, max_jobs=10) == []  # from the start again: nothing
 
 
 def test_dead_letter_after_max_deliveries(redis_url: str) -> None:

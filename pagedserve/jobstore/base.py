@@ -32,6 +32,7 @@ _SCRIPTS = (
     "batch_count",
     "admission",
     "affinity",
+    "reclaim",
 )
 
 #: One script call: (script name, KEYS, ARGV).

@@ -21,7 +21,7 @@ from pagedserve.jobstore.records import (
     flatten_entries,
     job_of,
 )
-from pagedserve.keys import GROUP, PRIORITIES, Priority
+from pagedserve.keys import GROUP, PRIORITIES, WINDOW_CONSUMER, Priority
 from pagedserve.schemas import (
     UNPARSABLE_REQUEST,
     JobRequest,
@@ -32,6 +32,8 @@ log = logging.getLogger("pagedserve.store")
 
 #: With several shards, the longest a blocking claim waits on one shard's streams.
 BLOCK_SLICE_MS = 100
+#: Pending rows one reclaim call looks at (the admission window holds up to 2048 by default).
+RECLAIM_SCAN = 1024
 
 
 class Leasing(StoreBase):
@@ -102,32 +104,33 @@ class Leasing(StoreBase):
         self, consumer: str, min_idle_ms: int, max_jobs: int, held: Container[str] = ()
     ) -> list[Lease]:
         """Take over up to ``max_jobs`` entries idle for ``min_idle_ms`` (their worker stopped
-        renewing: presumed dead) with XAUTOCLAIM, interactive first, and lease them.
+        renewing: presumed dead), interactive first, and lease them (``reclaim.lua``: the
+        pending entries of every consumer but the admission window's, which wait to be chosen,
+        not for a lease to lapse).
 
-        ``held``: ids of jobs the caller serves now. XAUTOCLAIM does not look at owners, so it
-        also returns the caller's own entries that went idle; leasing one of those again would
-        count one more delivery of a job that is running fine (a sentinel failover test saw jobs
-        dead-lettered "delivered 4 times" that one worker had re-leased to itself 3 times). Such
-        entries are left as XAUTOCLAIM leaves them: in the caller's pending list, idle reset."""
+        ``held``: ids of jobs the caller serves now. The caller's own idle entries are taken
+        too (a final write lost in a failover leaves one behind), but leasing one of a job that
+        runs fine would count one more delivery of it: those are left in the caller's pending
+        list, idle reset."""
         if max_jobs <= 0:
             return []
         self.ensure_groups()
         entries: list[Entry] = []
         for stream in self.all_streams():
-            start = self._autoclaim_cursor.get(stream, "0-0")
+            start = self._autoclaim_cursor.get(stream, "-")
             while len(entries) < max_jobs:
-                reply = self.r.xautoclaim(
-                    stream,
-                    GROUP,
-                    consumer,
-                    min_idle_ms,
-                    start_id=start,
-                    count=max_jobs - len(entries),
-                )
-                start = reply[0]
-                got = [(stream, eid, job_of(fields)) for eid, fields in reply[1]]
-                entries += [e for e in got if e[2] not in held]
+                args = [GROUP, consumer, min_idle_ms, start, max_jobs - len(entries),
+                        WINDOW_CONSUMER, RECLAIM_SCAN]  # fmt: skip
+                start, got = self._exec([("reclaim", [stream], args)])[0]
+                for item in got:
+                    if not item:  # deleted meanwhile
+                        continue
+                    eid, flat = item[0], item[1] or []
+                    job = job_of(dict(zip(flat[::2], flat[1::2], strict=True)))
+                    if job not in held:
+                        entries.append((stream, eid, job))
                 if start == "0-0":
+                    start = "-"
                     break
             self._autoclaim_cursor[stream] = start
         return self._lease_entries(consumer, entries, "reclaim")
