@@ -131,7 +131,7 @@ def test_renew_keeps_entries_from_being_reclaimed(redis_url: str) -> None:
 
 
 def test_reclaim_leaves_the_callers_held_jobs_alone(redis_url: str) -> None:
-    """XAUTOCLAIM returns the caller's own idle entries too: a job it still serves (``held``)
+    """Reclaim finds the caller's own idle entries too: a job it still serves (``held``)
     is not leased again, so its delivery count does not grow; an own entry it no longer holds
     (a write lost in a failover, say) is taken back as before."""
     a = JobStore(redis_url)

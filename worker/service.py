@@ -4,7 +4,7 @@ One iteration of the loop:
 
 1. Redis housekeeping, each at its own rate: claim as many jobs as ``engine.free_capacity()``
    allows (the queue is the backpressure; ``store.claim`` orders own pending entries first, then
-   interactive before bulk) and reclaim entries of dead workers (XAUTOCLAIM), both as orders to
+   interactive before bulk) and reclaim entries of dead workers (``reclaim.lua``), both as orders to
    ``worker.claimer``, whose thread runs the round trips while the loop steps on (an idle loop
    waits for its blocking read); renew the leases of running jobs, publish the heartbeat.
 2. ``engine.step()`` when the engine has work.

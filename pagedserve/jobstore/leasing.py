@@ -1,5 +1,5 @@
 """The worker side of the job store, taking work: claim (stash, own pending entries, new
-entries, interactive first), reclaim (XAUTOCLAIM of dead workers' entries), lease, renew.
+entries, interactive first), reclaim (``reclaim.lua``: dead workers' idle entries), lease, renew.
 """
 
 from __future__ import annotations
@@ -307,7 +307,7 @@ class Leasing(StoreBase):
     def own_pending_read(self, consumer: str) -> bool:
         """Whether claims have re-read every pending entry ``consumer`` left from an earlier run.
 
-        Until then a worker must not reclaim: XAUTOCLAIM would hand it those same entries, and
+        Until then a worker must not reclaim: reclaim would hand it those same entries, and
         the pending re-read would then lease them a second time.
         """
         return all(
