@@ -209,27 +209,43 @@ class Client:
     def wait_many(
         self, job_ids: Sequence[str], timeout: float | None = None, poll_s: float = 0.5
     ) -> list[JobRecord]:
-        """Block until every job ended (polling statuses in pipelined batches, backing off up to
-        ``poll_s``); records in the order of ``job_ids``. Raises ``TimeoutError``."""
+        """Block until every job ended (polling, backing off up to ``poll_s``); records in the
+        order of ``job_ids``. Raises ``KeyError`` for unknown jobs, ``TimeoutError``.
+
+        Why one job at a time: the wait is over only when every job ended, so while one open
+        job runs, nothing the others do can end it. Each poll reads the status of one open job
+        (the latest submitted: under first-come-first-served the likeliest to end last); when
+        it ended, one pipelined read of all the open ones drops every job that ended meanwhile.
+        Polling every open job each time (as before) cost Redis and the client ~N reads per
+        poll: on ``bench.service``'s 2 shared cores that client alone used 0.65 s of CPU per
+        5.5 s round of 384 jobs."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        open_ids = list(dict.fromkeys(job_ids))
+        open_ids = self._still_open(list(dict.fromkeys(job_ids)))
         sleep = 0.005
         while open_ids:
-            statuses = self.store.statuses(open_ids)
-            missing = [j for j, s in zip(open_ids, statuses, strict=True) if s == "not_found"]
-            if missing:
-                raise KeyError(f"jobs not found: {missing[:5]}")
-            open_ids = [j for j, s in zip(open_ids, statuses, strict=True) if not s.terminal]
-            if not open_ids:
-                break
             if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"{len(open_ids)} of {len(job_ids)} jobs still open")
+                open_ids = self._still_open(open_ids)
+                if open_ids:
+                    raise TimeoutError(f"{len(open_ids)} of {len(job_ids)} jobs still open")
+                break
             time.sleep(sleep)
             sleep = min(poll_s, sleep * 2)
+            (status,) = self.store.statuses(open_ids[-1:])
+            if status == "not_found" or status.terminal:
+                open_ids = self._still_open(open_ids)
         recs = self.store.get_many(job_ids)
         if any(r is None for r in recs):
             raise KeyError("some jobs expired while waiting")
         return [r for r in recs if r is not None]
+
+    def _still_open(self, job_ids: list[str]) -> list[str]:
+        """The jobs of ``job_ids`` not ended yet, in order (one pipelined read); ``KeyError``
+        for unknown ones."""
+        statuses = self.store.statuses(job_ids) if job_ids else []
+        missing = [j for j, s in zip(job_ids, statuses, strict=True) if s == "not_found"]
+        if missing:
+            raise KeyError(f"jobs not found: {missing[:5]}")
+        return [j for j, s in zip(job_ids, statuses, strict=True) if not s.terminal]
 
     def stream(self, job_id: str, timeout: float | None = None) -> Iterator[DeltaEvent]:
         """Yield the job's events (``delta``, ``restart``) as they arrive, from its first one,

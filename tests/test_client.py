@@ -104,6 +104,31 @@ def test_wait_many(client: Client, redis_url: str) -> None:
     assert {r.status for r in recs} == {JobStatus.SUCCEEDED}
 
 
+def test_wait_many_ends_when_the_last_open_job_does(client: Client, redis_url: str) -> None:
+    """wait_many watches one open job at a time: jobs ending in any order (the watched one
+    first or last) end the wait once all have ended, not before; unknown ids and timeouts say
+    so, counting the jobs still open."""
+    ids = client.submit_many([f"q{i}" for i in range(6)])
+    worker = JobStore(redis_url)
+    leases = {x.job_id: x for x in worker.claim("w", 6)}
+    order = [ids[-1], ids[2], ids[0], ids[4], ids[1], ids[3]]  # the watched (last) one first
+
+    def finish_in_order() -> None:
+        for jid in order:
+            time.sleep(0.03)
+            worker.commit_step(finished=[Finish(leases[jid], "succeeded", result=result("r", [1]))])
+
+    with pytest.raises(TimeoutError, match="6 of 6 jobs still open"):
+        client.wait_many(ids, timeout=0.05)
+    t = threading.Thread(target=finish_in_order)
+    t.start()
+    recs = client.wait_many(ids, timeout=10, poll_s=0.01)
+    t.join()
+    assert [r.id for r in recs] == ids and {r.status for r in recs} == {JobStatus.SUCCEEDED}
+    with pytest.raises(KeyError, match="missing"):
+        client.wait_many([ids[0], "missing"], timeout=1)
+
+
 def test_stream_yields_deltas_until_end(client: Client, redis_url: str) -> None:
     jid = client.submit("tell me")
     worker = JobStore(redis_url)
