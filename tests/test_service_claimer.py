@@ -5,7 +5,6 @@ back to the queue, never lost."""
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 import pytest
@@ -15,33 +14,14 @@ from pagedserve.params import SamplingParams
 from pagedserve.schemas import JobStatus
 from pagedserve.store import JobStore
 from tests.fixtures.redis_server import RedisFactory
+from tests.fixtures.workers import loop_once, run_loop_until
 from worker.admission import claim_round
 from worker.claimer import Claimer, ClaimOrder
 from worker.engine import Engine
-from worker.outputs import EngineConfig
-from worker.service import ServiceConfig, Worker
+from worker.service import ServiceConfig
 
 LONG = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
 SHORT = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture
-def engine(make_tiny_model) -> Engine:  # type: ignore[no-untyped-def]
-    cfg = EngineConfig(num_kv_blocks=256, max_model_len=512, num_threads=1)
-    return Engine(make_tiny_model("llama"), cfg)
-
-
-def loop_once(w: Worker) -> None:
-    w.housekeeping()
-    w.step()
-    w.commit()
-
-
-def run_until(w: Worker, cond, timeout: float = 30.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        loop_once(w)
 
 
 class HeldRounds:
@@ -62,25 +42,25 @@ class HeldRounds:
 
 
 def test_a_slow_claim_round_never_holds_up_the_steps(
-    make_worker: Any, redis_url: str, engine: Engine
+    make_worker: Any, redis_url: str, loop_engine: Engine
 ) -> None:
     store = JobStore(redis_url, lease_ms=60_000)
-    w = make_worker(engine, store, ServiceConfig(worker_id="claim-slow", redis_url=redis_url))
+    w = make_worker(loop_engine, store, ServiceConfig(worker_id="claim-slow", redis_url=redis_url))
     held = HeldRounds()
     w.claimer.claim_round = held
     client = Client(redis_url)
     running = client.submit([5, 6, 7, 8], LONG)
-    run_until(w, lambda: engine.has_unfinished())
+    run_loop_until(w, lambda: loop_engine.has_unfinished())
     held.hold.set()
     late = client.submit([9, 10, 11], SHORT)
-    run_until(w, held.waiting.is_set)  # the round took the new job and is held
-    steps = engine.stats().steps
+    run_loop_until(w, held.waiting.is_set)  # the round took the new job and is held
+    steps = loop_engine.stats().steps
     for _ in range(20):  # the loop steps on meanwhile, and asks for no second round
         loop_once(w)
-    assert engine.stats().steps >= steps + 20
+    assert loop_engine.stats().steps >= steps + 20
     assert w.claimer.pending and late not in w.jobs
     held.release.set()
-    run_until(w, lambda: client.status(late).terminal)
+    run_loop_until(w, lambda: client.status(late).terminal)
     rec = client.get(late)
     assert rec is not None and rec.status == JobStatus.SUCCEEDED
     assert rec.result is not None and rec.result.completion_tokens == SHORT.max_tokens
@@ -88,21 +68,21 @@ def test_a_slow_claim_round_never_holds_up_the_steps(
 
 
 def test_a_round_in_flight_at_stop_is_handed_back(
-    make_worker: Any, redis_url: str, engine: Engine
+    make_worker: Any, redis_url: str, loop_engine: Engine
 ) -> None:
     store = JobStore(redis_url, lease_ms=60_000)
-    w = make_worker(engine, store, ServiceConfig(worker_id="claim-stop", redis_url=redis_url))
+    w = make_worker(loop_engine, store, ServiceConfig(worker_id="claim-stop", redis_url=redis_url))
     held = HeldRounds()
     held.hold.set()
     w.claimer.claim_round = held
     client = Client(redis_url)
     jid = client.submit([5, 6, 7, 8], SHORT)
-    run_until(w, held.waiting.is_set)  # leased by the round, not admitted yet
+    run_loop_until(w, held.waiting.is_set)  # leased by the round, not admitted yet
     assert client.status(jid) == JobStatus.RUNNING and jid not in w.jobs
     w.request_stop()
     held.release.set()
-    run_until(w, lambda: not w.claimer.pending)
-    assert not w.jobs and not engine.has_unfinished()
+    run_loop_until(w, lambda: not w.claimer.pending)
+    assert not w.jobs and not loop_engine.has_unfinished()
     assert client.status(jid) == JobStatus.QUEUED  # back in the queue, fence moved on
     other = JobStore(redis_url)
     (lease,) = other.claim("claim-other", 5)
@@ -124,17 +104,17 @@ def test_close_hands_back_what_the_last_round_took(redis_url: str) -> None:
 
 
 def test_redis_down_marks_the_claimer_and_the_heartbeat(
-    make_worker: Any, redis_factory: RedisFactory, engine: Engine
+    make_worker: Any, redis_factory: RedisFactory, loop_engine: Engine
 ) -> None:
     server = redis_factory()
     store = JobStore(server.url)
-    w = make_worker(engine, store, ServiceConfig(worker_id="claim-down", redis_url=server.url))
+    w = make_worker(loop_engine, store, ServiceConfig(worker_id="claim-down", redis_url=server.url))
     loop_once(w)
     server.kill()
-    run_until(w, lambda: not w.claimer.guard.ok, timeout=30)
+    run_loop_until(w, lambda: not w.claimer.guard.ok, timeout=30)
     assert w.heartbeat_model().state == "reconnecting"
     server.start()
     client = Client(server.url)
     jid = client.submit([5, 6, 7], SHORT)
-    run_until(w, lambda: client.status(jid).terminal, timeout=60)
+    run_loop_until(w, lambda: client.status(jid).terminal, timeout=60)
     assert client.status(jid) == JobStatus.SUCCEEDED and w.claimer.guard.ok
