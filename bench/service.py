@@ -6,7 +6,9 @@ process and a real ``pagedserve worker`` process on a private redis-server, in a
 running the source tree ``DIR`` (say ``git archive main | tar -x -C DIR``), joins the rotation on
 its own redis-server: an A/B of the service path in one run. Prints one JSON line with output
 tokens per second of each (medians and per round), the per-round ratios and their medians (target
-``service_over_offline`` >= 0.95), ``submit_many`` jobs per second, the time from enqueue to the
+``service_over_offline`` >= 0.95), CPU seconds per round of each system and, beside a worker's, of
+its redis-server and of this process as the client (on a 2-core machine they share the cores the
+worker steps on), ``submit_many`` jobs per second, the time from enqueue to the
 first streamed token on an idle worker, and the 1-minute load average.
 
 Usage: ``python -m bench.service [--model DIR|FILE.gguf | --preset tiny|bench|smollm2]
@@ -211,13 +213,17 @@ def cpu_s(pid: int | None = None) -> float:
 
 
 def run_rounds(
-    eng: Engine, workers: dict[str, tuple[str, int]], vocab: int, args: argparse.Namespace
+    eng: Engine, workers: dict[str, tuple[str, int, int]], vocab: int, args: argparse.Namespace
 ) -> dict[str, dict[str, list[float]]]:
-    """Per system (``offline`` and each worker: url, pid) and round: output tok/s and CPU seconds
-    (this process for the offline engine, the worker process for a worker). Round ``r`` runs
-    workload seed ``seed + r`` on each, in an order rotated by one every round."""
+    """Per system (``offline`` and each worker: url, worker pid, redis-server pid) and round:
+    output tok/s and CPU seconds (this process for the offline engine, the worker process for a
+    worker); for a worker also the CPU seconds of its redis-server and of this process (the
+    client submitting and polling) meanwhile, which share the machine's cores with the worker.
+    Round ``r`` runs workload seed ``seed + r`` on each, in an order rotated by one every round."""
     systems = ["offline", *workers]
-    got: dict[str, dict[str, list[float]]] = {n: {"tok_s": [], "cpu_s": []} for n in systems}
+    got: dict[str, dict[str, list[float]]] = {
+        n: {"tok_s": [], "cpu_s": [], "redis_cpu_s": [], "client_cpu_s": []} for n in systems
+    }
     for r in range(args.rounds):
         wl = make_mixed(args.requests, vocab, args.seed + r)
         k = r % len(systems)
@@ -227,7 +233,10 @@ def run_rounds(
             if name == "offline":
                 wall = run_offline(eng, wl, f"r{r}")
             else:
+                redis0, client0 = cpu_s(workers[name][2]), cpu_s()
                 wall = run_service(workers[name][0], wl)
+                got[name]["redis_cpu_s"].append(cpu_s(workers[name][2]) - redis0)
+                got[name]["client_cpu_s"].append(cpu_s() - client0)
             got[name]["cpu_s"].append(cpu_s(pid) - cpu0)
             got[name]["tok_s"].append(wl.output_tokens / wall)
     return got
@@ -241,7 +250,9 @@ def summary(got: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
     for name, xs in tps.items():
         out[f"{name}_tok_s"] = round(statistics.median(xs), 1)
         out[f"{name}_tok_s_rounds"] = [round(x, 1) for x in xs]
-        out[f"{name}_cpu_s_rounds"] = [round(x, 2) for x in got[name]["cpu_s"]]
+        for what in ("cpu_s", "redis_cpu_s", "client_cpu_s"):
+            if got[name][what]:
+                out[f"{name}_{what}_rounds"] = [round(x, 2) for x in got[name][what]]
     pairs = [(n, "offline") for n in tps if n != "offline"]
     if "baseline" in tps:
         pairs.append(("service", "baseline"))
@@ -260,16 +271,18 @@ def main(argv: list[str] | None = None) -> None:
         vocab, params = model_numbers(model)
         eng = offline_engine(model, args)
         trees = {"service": None, "baseline": args.baseline_tree}
-        workers: dict[str, tuple[str, int]] = {}
+        workers: dict[str, tuple[str, int, int]] = {}
         for system, tree in trees.items():
             if system == "baseline" and tree is None:
                 continue
-            url = stack.enter_context(LocalRedisServer()).url
+            server = stack.enter_context(LocalRedisServer())
+            url = server.url
             extra = tuple(shlex.split(args.worker_flags)) if system == "service" else ()
             proc = start_worker(url, model, args, work / f"{system}.log", extra, tree=tree)
             stack.callback(proc.wait, 60)
             stack.callback(proc.terminate)
-            workers[system] = (url, proc.pid)
+            assert server.proc is not None
+            workers[system] = (url, proc.pid, server.proc.pid)
         url = workers["service"][0]
         ttft = time_to_first_token(Client(url), args.ttft_repeats)
         got = run_rounds(eng, workers, vocab, args)
