@@ -5,6 +5,7 @@ back to the queue, never lost."""
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -118,3 +119,37 @@ def test_redis_down_marks_the_claimer_and_the_heartbeat(
     jid = client.submit([5, 6, 7], SHORT)
     run_loop_until(w, lambda: client.status(jid).terminal, timeout=60)
     assert client.status(jid) == JobStatus.SUCCEEDED and w.claimer.guard.ok
+
+
+def test_reclaim_leaves_a_job_whose_final_write_waits(
+    make_worker: Any, redis_url: str, loop_engine: Engine
+) -> None:
+    """A job that ended but whose final write Redis has not answered yet (held up here; a
+    failover or a loaded machine in the wild) is still this worker's: its entry goes idle (no
+    running job renews it), yet the worker's own reclaim leaves it, and the job ends once, on
+    its first delivery."""
+    store = JobStore(redis_url, lease_ms=60_000)
+    w = make_worker(loop_engine, store, ServiceConfig(worker_id="claim-final", redis_url=redis_url))
+    release = threading.Event()
+    real = store.commit_step
+
+    def held_commit(consumer: Any, progress: Any = (), finished: Any = ()) -> Any:
+        if finished:
+            assert release.wait(30)
+        return real(consumer, progress=progress, finished=finished)
+
+    store.commit_step = held_commit  # type: ignore[method-assign]
+    client = Client(redis_url)
+    jid = client.submit([5, 6, 7], SHORT)
+    run_loop_until(w, lambda: jid in w.jobs)
+    run_loop_until(w, lambda: jid not in w.jobs and not w.claimer.pending)  # ended, write held
+    assert jid in w.held and client.status(jid) == JobStatus.RUNNING
+    time.sleep(0.05)
+    w.claimer.ask(ClaimOrder(cap=8, block_ms=0, reclaim_ms=10, held=w.held))
+    got = w.claimer.take(10)
+    assert got is not None and not got.down and got.leases == []
+    release.set()
+    run_loop_until(w, lambda: client.status(jid).terminal)
+    rec = client.get(jid)
+    assert rec is not None and rec.status == JobStatus.SUCCEEDED and rec.deliveries == 1
+    assert jid not in w.held

@@ -29,7 +29,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 
 from pagedserve.store import AdmissionRequest, Admitted, JobStore, Lease
@@ -46,7 +46,9 @@ class ClaimOrder:
     block_ms: int  # with nothing found, wait this long for new work (0: do not wait)
     admission: AdmissionRequest | None = None  # bulk jobs by prefix; None: in arrival order
     reclaim_ms: int = 0  # > 0: first take over entries idle this long (dead workers')
-    held: frozenset[str] = frozenset()  # jobs the loop serves now (never reclaimed)
+    #: Jobs the worker serves (never reclaimed): a live view, asked at reclaim time, not a
+    #: snapshot (a job that ends while the order waits keeps its entry until its final write).
+    held: Container[str] = frozenset()
 
 
 @dataclass

@@ -83,6 +83,22 @@ MAX_CLAIM = 64
 MAX_START_ROUNDS, START_ROUND_WAIT_S = 8, 1.0
 
 
+class HeldJobs:
+    """The jobs this worker still owns, for reclaim (asked on the claimer's thread): running
+    ones, and ended ones whose final write the writer has not had answered. Without the
+    latter, a final write held up past ``--reclaim-ms`` (Redis failing over, a loaded machine)
+    left its entry idle and unclaimed by any running job, and the worker's own reclaim leased
+    the job again: one delivery more per hold-up (the sentinel failover test dead-lettered jobs
+    "delivered 4 times"). Membership tests only: no iteration over a dict the loop changes."""
+
+    def __init__(self, jobs: Mapping[str, object], writer: Writer) -> None:
+        self.jobs = jobs
+        self.writer = writer
+
+    def __contains__(self, job_id: object) -> bool:
+        return isinstance(job_id, str) and (job_id in self.jobs or self.writer.holds(job_id))
+
+
 # ------------------------------------------------------------------------------- the loop
 class Worker:
     """The service loop: Redis jobs in, engine steps, fenced results out."""
@@ -97,6 +113,7 @@ class Worker:
         self.unsent_progress: list[Progress] = []
         self.writer = Writer(store, cfg.worker_id, cfg.cancel_poll_s)
         self.claimer = Claimer(store, cfg.worker_id, claim_round)
+        self.held = HeldJobs(self.jobs, self.writer)
         self.urgent: list[JobState] = []  # to flush at the next step (first token, replay)
         self.next_flush = 0.0  # when the interactive jobs' progress is flushed next
         self.next_bulk_flush = 0.0  # ... and the bulk jobs' too
@@ -226,7 +243,7 @@ class Worker:
             self.last_reclaim = now
         self.claimer.ask(ClaimOrder(
             cap, 0 if busy else self.cfg.idle_block_ms, self.admission.order_request(),
-            reclaim_ms=self.cfg.reclaim_ms if reclaim else 0, held=frozenset(self.jobs),
+            reclaim_ms=self.cfg.reclaim_ms if reclaim else 0, held=self.held,
         ))  # fmt: skip
         if not busy:
             self._start_batch(self.claimer.take(idle_wait))

@@ -108,6 +108,8 @@ class Writer:
         self._done = threading.Condition()  # notified when writes are written (for flush)
         self._puts = self._written = 0  # writes put / written, counted by put() calls
         self._finals_put = self._finals_written = 0
+        #: Jobs whose final write is put and not yet answered (read by the claimer's thread).
+        self._finals_open: set[str] = set()
         #: Jobs whose delta Redis refused with an error (the reason), until their final write.
         self._broken: dict[str, str] = {}
         self._poll_cancels = False
@@ -128,6 +130,7 @@ class Writer:
             return
         self._puts += 1
         self._finals_put += len(finals)
+        self._finals_open.update(f.lease.job_id for f in finals)
         self._queue.put((progress, finals))
 
     def take_reports(self) -> list[StepResult]:
@@ -140,6 +143,11 @@ class Writer:
     def idle(self) -> bool:
         """Nothing waiting to be written or on its way, no report left to take."""
         return self._written == self._puts and self._reports.empty()
+
+    def holds(self, job_id: str) -> bool:
+        """Whether the job's final write is put and not answered yet: the worker still owns
+        the job (its entry stays pending until that write acks it), so reclaim must leave it."""
+        return job_id in self._finals_open
 
     def unsent_finals(self) -> int:
         return self._finals_put - self._finals_written
@@ -225,6 +233,7 @@ class Writer:
                 return False
             for f in batch.finals:
                 self._broken.pop(f.lease.job_id, None)
+                self._finals_open.discard(f.lease.job_id)
             batch.finals = []
             self._reports.put(second)
         return True
