@@ -78,9 +78,6 @@ log = logging.getLogger("pagedserve.worker")
 
 #: Most jobs leased by one claim call.
 MAX_CLAIM = 64
-#: Rounds an idle loop takes in a row before its first step, and how long it waits for each
-#: (the engine has nothing else to do; a slower round is collected by the next iteration).
-MAX_START_ROUNDS, START_ROUND_WAIT_S = 8, 1.0
 
 
 class HeldJobs:
@@ -245,25 +242,8 @@ class Worker:
             cap, 0 if busy else self.cfg.idle_block_ms, self.admission.order_request(),
             reclaim_ms=self.cfg.reclaim_ms if reclaim else 0, held=self.held,
         ))  # fmt: skip
-        if not busy:
-            self._start_batch(self.claimer.take(idle_wait))
-
-    def _start_batch(self, got: Claimed | None) -> None:
-        """An idle loop's first round took work: before the first step, go on taking what else
-        waits (rounds in a row, waited for) until a round comes back short of its seats. The
-        idle blocking read delivers one entry; stepping that one alone while the rest trickled
-        in over later rounds cost ~10% more steps than the offline engine on the same workload
-        (``bench.service --preset tiny``: 291-305 steps against 269-280)."""
-        rounds = 0
-        while got is not None:
+        if not busy and (got := self.claimer.take(idle_wait)) is not None:
             self._claimed(got)
-            rounds += 1
-            short = got.order.block_ms == 0 and len(got.leases) < got.order.cap
-            cap = self._capacity()
-            if not got.leases or short or cap <= 0 or rounds >= MAX_START_ROUNDS:
-                return
-            self.claimer.ask(ClaimOrder(cap, 0, self.admission.order_request()))
-            got = self.claimer.take(START_ROUND_WAIT_S)
 
     def _busy(self) -> bool:
         """Work in hand: running jobs, unsent final writes, prompts being tokenized."""
