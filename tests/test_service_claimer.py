@@ -42,14 +42,20 @@ class HeldRounds:
         return got
 
 
+def held_worker(make_worker: Any, redis_url: str, engine: Engine, worker_id: str) -> Any:
+    """(a worker on its own consumer name whose claim rounds go through HeldRounds, those
+    rounds, a client)."""
+    store = JobStore(redis_url, lease_ms=60_000)
+    w = make_worker(engine, store, ServiceConfig(worker_id=worker_id, redis_url=redis_url))
+    held = HeldRounds()
+    w.claimer.claim_round = held
+    return w, held, Client(redis_url)
+
+
 def test_a_slow_claim_round_never_holds_up_the_steps(
     make_worker: Any, redis_url: str, loop_engine: Engine
 ) -> None:
-    store = JobStore(redis_url, lease_ms=60_000)
-    w = make_worker(loop_engine, store, ServiceConfig(worker_id="claim-slow", redis_url=redis_url))
-    held = HeldRounds()
-    w.claimer.claim_round = held
-    client = Client(redis_url)
+    w, held, client = held_worker(make_worker, redis_url, loop_engine, "claim-slow")
     running = client.submit([5, 6, 7, 8], LONG)
     run_loop_until(w, lambda: loop_engine.has_unfinished())
     held.hold.set()
@@ -71,12 +77,8 @@ def test_a_slow_claim_round_never_holds_up_the_steps(
 def test_a_round_in_flight_at_stop_is_handed_back(
     make_worker: Any, redis_url: str, loop_engine: Engine
 ) -> None:
-    store = JobStore(redis_url, lease_ms=60_000)
-    w = make_worker(loop_engine, store, ServiceConfig(worker_id="claim-stop", redis_url=redis_url))
-    held = HeldRounds()
+    w, held, client = held_worker(make_worker, redis_url, loop_engine, "claim-stop")
     held.hold.set()
-    w.claimer.claim_round = held
-    client = Client(redis_url)
     jid = client.submit([5, 6, 7, 8], SHORT)
     run_loop_until(w, held.waiting.is_set)  # leased by the round, not admitted yet
     assert client.status(jid) == JobStatus.RUNNING and jid not in w.jobs
