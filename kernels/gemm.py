@@ -27,9 +27,6 @@ from kernels import native
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "gemm.c"
-#: Panel width of a build with AVX-512's 16-float vectors (two vectors per panel row).
-_WIDE_PANEL = 32
-
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 
 
@@ -45,11 +42,6 @@ class NativeGemm:
         self._lib = lib
         #: Output columns per panel: 16 with 8-float vectors, 32 with 16-float ones.
         self.panel_width = int(lib.ps_gemm_panel_width())
-
-    @property
-    def wide(self) -> bool:
-        """Whether this build uses AVX-512's 16-float vectors."""
-        return self.panel_width >= _WIDE_PANEL
 
     def pack(self, weight: torch.Tensor) -> PanelWeight:
         """``weight`` [out, in] (float32, CPU) as panels ``[ceil(out / NR), in, NR]``."""

@@ -265,11 +265,6 @@ def switched_off(name: str) -> bool:
     return os.environ.get(name, "1").strip().lower() in ("0", "false", "no", "off")
 
 
-def switched_on(name: str) -> bool:
-    """Whether the variable ``name`` is set to 1/true/yes/on (not merely left at its default)."""
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
-
-
 _LOADED: NativeDecode | None = None
 _TRIED = False
 
@@ -290,7 +285,7 @@ def load() -> NativeDecode | None:
     return _LOADED
 
 
-__all__ = ["DecodeRows", "NativeDecode", "build", "load", "switched_off", "switched_on"]
+__all__ = ["DecodeRows", "NativeDecode", "build", "load", "switched_off"]
 
 
 if __name__ == "__main__":  # pragma: no cover - `python -m kernels.native`: prebuild

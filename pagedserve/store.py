@@ -96,7 +96,7 @@ class JobStore(ClientSide, Leasing, Admission, Commits, WorkerRegistry, StoreBas
         # Entries delivered to a consumer beyond what it asked for (a blocking read can return one
         # per stream); they are leased first at the next claim.
         self._stash = {}
-        self._autoclaim_cursor = {}
+        self._reclaim_cursor = {}
         # Which shard a blocking claim waits on next (a blocking read cannot span slots).
         self._block_turn = 0
 

@@ -15,9 +15,9 @@ from pagedserve.params import SamplingParams
 from pagedserve.schemas import Completion, DeltaEvent, JobRequest, JobResult, JobStatus
 from pagedserve.store import Finish, JobStore, Lease, Progress, StepResult
 from tests.fixtures.redis_server import RedisFactory
+from tests.fixtures.workers import run_loop_until
 from worker.engine import Engine
-from worker.outputs import EngineConfig
-from worker.service import WRITE_FAILED, ServiceConfig, Worker
+from worker.service import WRITE_FAILED, ServiceConfig
 from worker.writer import Batch, Writer
 
 SHORT = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -175,40 +175,26 @@ def test_one_jobs_refused_or_unbuildable_write_fails_that_job_only(store: JobSto
 
 
 # ------------------------------------------------------------------------------ the loop
-@pytest.fixture
-def engine(make_tiny_model) -> Engine:  # type: ignore[no-untyped-def]
-    cfg = EngineConfig(num_kv_blocks=256, max_model_len=512, num_threads=1)
-    return Engine(make_tiny_model("llama"), cfg)
-
-
-def loop_until(w: Worker, cond, timeout: float = 60.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        w.housekeeping()
-        w.step()
-        w.commit()
-
-
 def test_redis_outage_keeps_the_loop_stepping_and_loses_nothing(
-    make_worker: Any, redis_factory: RedisFactory, engine: Engine
+    make_worker: Any, redis_factory: RedisFactory, loop_engine: Engine
 ) -> None:
     server = redis_factory(aof=True)
     store = JobStore(server.url, lease_ms=60_000)
-    w = make_worker(engine, store, ServiceConfig(worker_id="w", redis_url=server.url))
+    w = make_worker(loop_engine, store, ServiceConfig(worker_id="w", redis_url=server.url))
     client = Client(server.url)
     ids = client.submit_many([[5, 6, 7, i] for i in range(6)], LONG)
-    loop_until(w, lambda: len(w.jobs) == 6 and engine.stats().steps > 3)
+    run_loop_until(w, lambda: len(w.jobs) == 6 and loop_engine.stats().steps > 3)
     server.kill()
-    t0, steps = time.monotonic(), engine.stats().steps
-    loop_until(w, lambda: not engine.has_unfinished())  # every job ends while Redis is gone
-    assert engine.stats().steps > steps and not w.jobs
+    t0, steps = time.monotonic(), loop_engine.stats().steps
+    # every job ends while Redis is gone
+    run_loop_until(w, lambda: not loop_engine.has_unfinished())
+    assert loop_engine.stats().steps > steps and not w.jobs
     assert not w.writer.guard.ok and w.writer.unsent_finals() == 6
     assert w.heartbeat_model().state == "reconnecting"
     assert time.monotonic() - t0 < 30
     server.start()
     client = Client(server.url)
-    loop_until(w, lambda: all(s.terminal for s in client.store.statuses(ids)))
+    run_loop_until(w, lambda: all(s.terminal for s in client.store.statuses(ids)))
     recs = client.wait_many(ids, timeout=5)
     assert [r.status for r in recs] == [JobStatus.SUCCEEDED] * 6
     for r in recs:
@@ -222,27 +208,27 @@ def test_redis_outage_keeps_the_loop_stepping_and_loses_nothing(
 
 
 def test_loop_drops_a_job_only_for_its_own_fence_and_fails_refused_writes(
-    make_worker: Any, redis_url: str, engine: Engine
+    make_worker: Any, redis_url: str, loop_engine: Engine
 ) -> None:
     store = JobStore(redis_url, lease_ms=60_000)
-    w = make_worker(engine, store, ServiceConfig(worker_id="w", redis_url=redis_url))
+    w = make_worker(loop_engine, store, ServiceConfig(worker_id="w", redis_url=redis_url))
     client = Client(redis_url)
     jid, other = client.submit([5, 6, 7], LONG), client.submit([8, 9], LONG)
-    loop_until(w, lambda: jid in w.jobs and other in w.jobs)
+    run_loop_until(w, lambda: jid in w.jobs and other in w.jobs)
     st = w.jobs[jid]
     w._on_report(StepResult(refused=[(jid, st.lease.fence - 1)]))  # an older lease's write
     assert jid in w.jobs
     store.reclaim("x", 0, 2)  # both presumed dead: the next writes are refused, jobs dropped
-    loop_until(w, lambda: not w.jobs)
-    assert not engine.has_unfinished()
+    run_loop_until(w, lambda: not w.jobs)
+    assert not loop_engine.has_unfinished()
     assert all(client.status(j) == JobStatus.RUNNING for j in (jid, other))  # x's now
     # A job whose events key breaks fails with the reason; the loop goes on with the next.
     bad = client.submit([1, 2, 3], SHORT)
-    loop_until(w, lambda: bad in w.jobs)
+    run_loop_until(w, lambda: bad in w.jobs)
     store.r.delete(store.keys.events(bad))
     store.r.set(store.keys.events(bad), "x")
     good = client.submit([4, 5, 6], SHORT)
-    loop_until(w, lambda: client.status(bad).terminal and client.status(good).terminal)
+    run_loop_until(w, lambda: client.status(bad).terminal and client.status(good).terminal)
     rec = client.get(bad)
     assert rec is not None and rec.status == JobStatus.FAILED
     assert rec.error is not None and rec.error.startswith(WRITE_FAILED)
@@ -251,7 +237,7 @@ def test_loop_drops_a_job_only_for_its_own_fence_and_fails_refused_writes(
 
 
 def test_bulk_jobs_progress_is_written_at_its_own_interval(
-    make_worker: Any, redis_url: str, engine: Engine
+    make_worker: Any, redis_url: str, loop_engine: Engine
 ) -> None:
     """Interactive jobs stream at ``progress_interval_ms``; bulk jobs write their first token at
     once, then their deltas only every ``bulk_progress_interval_ms``; both end complete."""
@@ -259,7 +245,7 @@ def test_bulk_jobs_progress_is_written_at_its_own_interval(
     cfg = ServiceConfig(
         worker_id="w", redis_url=redis_url, progress_interval_ms=1, bulk_progress_interval_ms=60_000
     )
-    w = make_worker(engine, store, cfg)
+    w = make_worker(loop_engine, store, cfg)
     client = Client(redis_url)
     long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
     fast, bulk = client.submit([5, 6, 7], long), client.submit([5, 6, 7], long, priority="bulk")
@@ -268,13 +254,13 @@ def test_bulk_jobs_progress_is_written_at_its_own_interval(
         st = w.jobs.get(jid)
         return 0 if st is None or st.latest is None else len(st.latest.outputs[0].token_ids)
 
-    loop_until(w, lambda: min(generated(fast), generated(bulk)) >= 40)
+    run_loop_until(w, lambda: min(generated(fast), generated(bulk)) >= 40)
     assert w.writer.flush(10)
     recs = {r.id: r for r in client.store.get_many([fast, bulk]) if r is not None}
     assert recs[fast].tokens_generated >= 30  # written as it went
     assert 1 <= recs[bulk].tokens_generated <= 2  # the first token, at once; no more yet
     assert [e.type for e in events(store, bulk)].count("delta") == 1
-    loop_until(w, lambda: all(s.terminal for s in client.store.statuses([fast, bulk])))
+    run_loop_until(w, lambda: all(s.terminal for s in client.store.statuses([fast, bulk])))
     for jid in (fast, bulk):  # the final write carries everything
         rec = client.get(jid)
         assert rec is not None and rec.status == JobStatus.SUCCEEDED and rec.tokens_generated == 200

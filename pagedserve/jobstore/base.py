@@ -65,7 +65,7 @@ class StoreBase:
     _groups_ready: bool
     _pending_cursor: dict[tuple[str, str], str | None]
     _stash: dict[str, list[Entry]]
-    _autoclaim_cursor: dict[str, str]
+    _reclaim_cursor: dict[str, str]
     _block_turn: int
 
     def ensure_groups(self) -> None:

@@ -117,7 +117,7 @@ class Leasing(StoreBase):
         self.ensure_groups()
         entries: list[Entry] = []
         for stream in self.all_streams():
-            start = self._autoclaim_cursor.get(stream, "-")
+            start = self._reclaim_cursor.get(stream, "-")
             while len(entries) < max_jobs:
                 args = [GROUP, consumer, min_idle_ms, start, max_jobs - len(entries),
                         WINDOW_CONSUMER, RECLAIM_SCAN]  # fmt: skip
@@ -132,7 +132,7 @@ class Leasing(StoreBase):
                 if start == "0-0":
                     start = "-"
                     break
-            self._autoclaim_cursor[stream] = start
+            self._reclaim_cursor[stream] = start
         return self._lease_entries(consumer, entries, "reclaim")
 
     def _take_stash(self, consumer: str, n: int) -> list[Entry]:
