@@ -32,7 +32,13 @@ typedef float vwsf_u __attribute__((vector_size(PS_WIDE_LANES * 4), aligned(4)))
 
 static inline vwsf ps_wload(const float *p) { return *(const vwsf_u *)p; }
 static inline void ps_wstore(float *p, vwsf v) { *(vwsf_u *)p = v; }
-static inline vwsf ps_wsplat(float x) { return x + (vwsf){0}; }
+/* A loop, not x + (vwsf){0}: adding 0.0 is not an identity in IEEE arithmetic (-0 + 0 = +0),
+ * so that form cost a scalar add before every broadcast in the value sums. */
+static inline vwsf ps_wsplat(float x) {
+    vwsf v;
+    for (int j = 0; j < PS_WIDE_LANES; ++j) v[j] = x;
+    return v;
+}
 
 /* The wide vector's lanes folded to 8 (lane j: the sum of lanes j, j + 8, ...). */
 static inline v8sf ps_fold8(vwsf x) {
