@@ -17,7 +17,12 @@ project benchmarks):
   shared and its bandwidth drifts; back to back, so a K/V near the last-level cache's size is
   partly read from there. ``cold_*``: the kernel and the sum alternating, each after a read of
   a 128 MB buffer, so both from DRAM (every layer of the engine reads its K/V cold);
-  ``cold_fraction_of_read`` is the issue's measure.
+  ``cold_fraction_of_read`` is the issue's measure. ``cold_blocks_read_gbps``: a plain sum over
+  exactly the scattered blocks the kernel reads (same order, threads and prefetch), the ceiling
+  the pool's layout sets; ``cold_fraction_of_blocks_read`` the kernel's rate over it.
+
+Runs with transparent huge pages on large tensors, as the engine does (``worker.cpu_memory``):
+set before torch allocates anything; ``THP_MEM_ALLOC_ENABLE=0`` in the environment opts out.
 
 With ``--triton`` (CUDA only) it times the Triton decode instead: batch 64 and 256, contexts 1k
 and 4k, bf16, 32 / 8 / 128 heads, against a device-to-device copy of the same number of bytes.
@@ -40,8 +45,11 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import emit
+from kernels import native as native_kernel
+from kernels.native import DecodeRows
 from kernels.testing import make_batch, make_metadata, share_prefix
 from kernels.torch_backend import TorchBackend
+from worker.cpu_memory import enable_huge_pages, huge_pages_in_effect
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 4, 64, 16
 
@@ -71,27 +79,31 @@ def read_gbps(num_bytes: int, repeats: int) -> float:
 
 
 def cold_gbps(
-    kernel: Callable[[], object], num_bytes: int, repeats: int, flush_bytes: int = 128 << 20
-) -> tuple[float, float]:
-    """(kernel's K/V GB/s, read GB/s), both from DRAM: each timed call follows a read of an
-    unrelated buffer larger than any last-level cache, and the two alternate.
+    fns: dict[str, Callable[[], object]],
+    num_bytes: int,
+    repeats: int,
+    flush_bytes: int = 128 << 20,
+) -> dict[str, float]:
+    """GB/s of each of ``fns`` (all reading ``num_bytes``) from DRAM: each timed call follows a
+    read of an unrelated buffer larger than any last-level cache, and the calls alternate.
 
     Why beside the warm figures: a K/V near the L3's size stays partly resident across
     back-to-back calls (a contiguous sum's buffer more so than a scattered block pool), so the
     warm fraction compares unlike things; in the engine every layer's K/V is cold (the other
-    layers' K/V and weights pass in between)."""
+    layers' K/V and weights pass in between)."""  # fmt: skip
     flush = torch.ones(flush_bytes // 4)
-    src = torch.randn(num_bytes // 4)
-    ours, read = [], []
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats + 1):
-        for fn, out in ((kernel, ours), (src.sum, read)):
+        for name, fn in fns.items():
             flush.sum()
             t0 = time.perf_counter()
             fn()
-            out.append(time.perf_counter() - t0)
-    ours, read = sorted(ours[1:]), sorted(read[1:])  # the first round warms code paths
-    mid = len(ours) // 2
-    return num_bytes / ours[mid] / 1e9, num_bytes / read[mid] / 1e9
+            times[name].append(time.perf_counter() - t0)
+    rates = {}
+    for name, got in times.items():
+        got = sorted(got[1:])  # the first round warms code paths
+        rates[name] = num_bytes / got[len(got) // 2] / 1e9
+    return rates
 
 
 @dataclass
@@ -111,6 +123,10 @@ class DecodeResult:
     cold_kv_gbps: float  # the same two from DRAM (cold_gbps): what a layer of the engine sees
     cold_read_gbps: float
     cold_fraction_of_read: float  # the issue's measure
+    #: A sum over exactly the blocks the kernel reads, in its order and threads (the C library's
+    #: ``read_blocks``), from DRAM: the pool layout's ceiling; 0 without the C kernel.
+    cold_blocks_read_gbps: float
+    cold_fraction_of_blocks_read: float
 
 
 @dataclass(frozen=True)
@@ -165,7 +181,16 @@ def bench_decode(
     copy = memcpy_gbps(kv_bytes, repeats)
     read = read_gbps(kv_bytes, repeats)
     gbps = kv_bytes / ours / 1e9
-    cold_kv, cold_read = cold_gbps(attention(backend), kv_bytes, repeats)
+    src = torch.randn(kv_bytes // 4)
+    cold_fns = {"kv": attention(backend), "read": src.sum}
+    kernel = native_kernel.load()
+    if kernel is not None:
+        every = torch.arange(batch)
+        rows = DecodeRows(every, every, torch.zeros_like(every), torch.full((batch,), ctx))
+        tables = meta.block_tables.to(torch.int32).contiguous()
+        cold_fns["blocks"] = lambda: kernel.read_blocks(k_cache, v_cache, tables, rows)
+    cold = cold_gbps(cold_fns, kv_bytes, repeats)
+    cold_kv, cold_read, blocks = cold["kv"], cold["read"], cold.get("blocks", 0.0)
     return DecodeResult(
         batch=batch,
         ctx=ctx,
@@ -182,6 +207,8 @@ def bench_decode(
         cold_kv_gbps=round(cold_kv, 2),
         cold_read_gbps=round(cold_read, 2),
         cold_fraction_of_read=round(cold_kv / cold_read, 3),
+        cold_blocks_read_gbps=round(blocks, 2),
+        cold_fraction_of_blocks_read=round(cold_kv / blocks, 3) if blocks else 0.0,
     )
 
 
@@ -298,6 +325,7 @@ def main() -> None:
         "9/3/64,14/2/64,32/8/128: SmolLM2, Qwen2-0.5B, Llama-8B-like)",
     )  # fmt: skip
     args = parser.parse_args()
+    enable_huge_pages()  # before the first tensor, as the worker does
     shapes = [HeadShape.parse(x) for x in args.shapes.split(",") if x]
     if args.triton:
         cases = [(b, c) for b in (64, 256) for c in (1024, 4096)]
@@ -311,6 +339,7 @@ def main() -> None:
     result = {
         "bench": "kernels.torch",
         "threads": torch.get_num_threads(),
+        "huge_pages": huge_pages_in_effect(),
         "shape": {
             "num_heads": NUM_HEADS,
             "num_kv_heads": NUM_KV_HEADS,

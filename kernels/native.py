@@ -97,6 +97,8 @@ class NativeDecode:
         self._lib = ctypes.CDLL(str(path))
         self._lib.ps_decode_attention_f32.argtypes = [ctypes.POINTER(_DecodeArgs)]
         self._lib.ps_decode_attention_f32.restype = ctypes.c_int
+        self._lib.ps_read_blocks_f32.argtypes = [ctypes.POINTER(_DecodeArgs)]
+        self._lib.ps_read_blocks_f32.restype = ctypes.c_double
         limits = [ctypes.c_int64() for _ in range(4)]
         self._lib.ps_decode_limits(*(ctypes.byref(x) for x in limits))
         self.max_head_dim, self.max_heads, self.max_block_size, self.lanes = (
@@ -139,14 +141,47 @@ class NativeDecode:
         The caller guarantees :meth:`supports`, an int32 contiguous ``block_tables`` and
         ``v_cache`` shaped like ``k_cache``; the tensors must stay alive during the call.
         """
-        _, block_size, num_kv_heads, head_dim = k_cache.shape
+        head_dim = k_cache.shape[3]
         if v_cache.shape != k_cache.shape or not v_cache.is_contiguous():
             raise ValueError("v_cache must be a contiguous tensor shaped like k_cache")
         if block_tables.dtype != torch.int32 or not block_tables.is_contiguous():
             raise ValueError("block_tables must be a contiguous int32 tensor")
         if out.dtype != torch.float32 or out.stride(2) != 1 or out.stride(1) != head_dim:
             raise ValueError("out must be float32 with contiguous heads")
-        args = _DecodeArgs(
+        args = self._args(query, k_cache, v_cache, block_tables, rows, scale, window, out, lse)
+        if self._lib.ps_decode_attention_f32(ctypes.byref(args)) != 0:
+            raise ValueError("shapes outside the native decode kernel's limits")
+
+    def read_blocks(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        rows: DecodeRows,
+        window: int | None = None,
+    ) -> float:
+        """A benchmark's baseline: sums every key and value :meth:`decode` would read for
+        ``rows``, in its order and threads, with no attention (the layout's bandwidth ceiling).
+        Same preconditions as :meth:`decode`."""
+        _, _, num_kv_heads, head_dim = k_cache.shape
+        query = torch.empty(1, num_kv_heads, head_dim)
+        args = self._args(query, k_cache, v_cache, block_tables, rows, 1.0, window, query, query)
+        return float(self._lib.ps_read_blocks_f32(ctypes.byref(args)))
+
+    @staticmethod
+    def _args(
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        rows: DecodeRows,
+        scale: float,
+        window: int | None,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> _DecodeArgs:
+        _, block_size, num_kv_heads, head_dim = k_cache.shape
+        return _DecodeArgs(
             query=query.data_ptr(),
             query_row_stride=query.stride(0),
             k_cache=k_cache.data_ptr(),
@@ -169,8 +204,6 @@ class NativeDecode:
             out_row_stride=out.stride(0),
             lse=lse.data_ptr(),
         )
-        if self._lib.ps_decode_attention_f32(ctypes.byref(args)) != 0:
-            raise ValueError("shapes outside the native decode kernel's limits")
 
 
 def _private(path: Path) -> bool:

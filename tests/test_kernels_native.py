@@ -57,7 +57,8 @@ SHAPES = [(8, 8, 64), (8, 2, 64), (16, 1, 64), (8, 4, 64), (16, 4, 128), (9, 3, 
 
 
 @needs_compiler
-@pytest.mark.parametrize("window", [None, 1, 100])
+# 300: a window over many blocks, starting inside one
+@pytest.mark.parametrize("window", [None, 1, 100, 300])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), SHAPES)
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 def test_spread_of_lengths_against_reference(
@@ -72,6 +73,33 @@ def test_spread_of_lengths_against_reference(
     backend = TorchBackend(native=True)
     run_and_compare(batch, sliding_window=window, backend=backend)
     assert native_plans(backend) == [True]
+
+
+@needs_compiler
+@pytest.mark.parametrize("window", [None, 40])
+def test_read_blocks_sums_exactly_what_decode_reads(window: int | None) -> None:
+    """The benchmark baseline (``read_blocks``): the sum of the keys and values of each row's
+    context (after its first block, inside its window) and nothing else."""
+    lib = native.load()
+    assert lib is not None
+    gen = torch.Generator().manual_seed(5)
+    s_lens = [1, 17, 300, 255, 64]
+    batch = make_batch([1] * 5, s_lens, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16)
+    tables = batch.meta.block_tables.to(torch.int32).contiguous()
+    # integers, so that float32 sums in any order are exact
+    k = torch.randint(-8, 8, batch.k_cache.shape, generator=gen).float()
+    v = torch.randint(-8, 8, batch.v_cache.shape, generator=gen).float()
+    first = torch.tensor([0, 1, 2, 0, 3])
+    rows = native.DecodeRows(torch.arange(5), torch.arange(5), first, torch.tensor(s_lens))
+    want = 0.0
+    for r, s_len in enumerate(s_lens):
+        lo = int(first[r]) * 16
+        if window is not None:
+            lo = max(lo, s_len - window)
+        for p in range(lo, s_len):
+            block = int(tables[r, p // 16])
+            want += float(k[block, p % 16].sum() + v[block, p % 16].sum())
+    assert lib.read_blocks(k, v, tables, rows, window) == want
 
 
 @needs_compiler

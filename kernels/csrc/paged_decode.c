@@ -369,3 +369,43 @@ int ps_decode_attention_f32(const ps_decode_args *a) {
     }
     return 0;
 }
+/* The bandwidth ceiling of the access pattern, for bench/kernels.py: the same rows, blocks and
+ * tasks as ps_decode_attention_f32 with no attention, only a sum of every key and value float
+ * the kernel reads (each block's valid keys, then its values, the next block asked for
+ * meanwhile). The scattered 12 KB runs of a block pool read slower than one contiguous buffer
+ * (a plain sum over the same blocks measured 28-30 GB/s against 38-40 contiguous on 2 Zen 5
+ * cores with huge pages): this tells the kernel's own cost from the layout's. Returns the sum
+ * (so that the reads cannot be optimised away). */
+double ps_read_blocks_f32(const ps_decode_args *a) {
+    const int64_t D = a->head_dim, BS = a->block_size, token_stride = a->num_kv_heads * D;
+    double total = 0.0;
+    int64_t taken = 0;
+#pragma omp parallel num_threads(a->num_threads) reduction(+ : total)
+    {
+        vwsf acc = ps_wsplat(0.0f);
+        for (int64_t r = __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED); r < a->num_rows;
+             r = __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED)) {
+            const int64_t last = a->seq_lens[r] - 1;
+            int64_t lo = a->first_block[r] * BS;
+            if (a->window > 0 && last - a->window + 1 > lo) lo = last - a->window + 1;
+            const int32_t *table = a->block_tables + a->seq_index[r] * a->block_table_stride;
+            for (int64_t b = lo / BS; b * BS <= last; ++b) {
+                const int64_t t0 = lo > b * BS ? lo - b * BS : 0;
+                const int64_t t1 = last - b * BS + 1 < BS ? last - b * BS + 1 : BS;
+                const int64_t off = (int64_t)table[b] * BS * token_stride;
+                const int has_next = (b + 1) * BS <= last;
+                const int64_t next = has_next ? (int64_t)table[b + 1] * BS * token_stride : off;
+                for (int pass = 0; pass < 2; ++pass) {
+                    const float *src = (pass ? a->v_cache : a->k_cache) + off;
+                    const float *pf = (pass ? a->v_cache : a->k_cache) + next;
+                    for (int64_t i = t0 * token_stride; i < t1 * token_stride; i += PS_WIDE_LANES) {
+                        if (has_next && i % 16 == 0) __builtin_prefetch(pf + i, 0, 2);
+                        acc += ps_wload(src + i);
+                    }
+                }
+            }
+        }
+        for (int j = 0; j < PS_WIDE_LANES; ++j) total += acc[j];
+    }
+    return total;
+}
