@@ -148,7 +148,7 @@ class NativeDecode:
             raise ValueError("block_tables must be a contiguous int32 tensor")
         if out.dtype != torch.float32 or out.stride(2) != 1 or out.stride(1) != head_dim:
             raise ValueError("out must be float32 with contiguous heads")
-        args = self._args(query, k_cache, v_cache, block_tables, rows, scale, window, out, lse)
+        args = self._args(query, (k_cache, v_cache), block_tables, rows, scale, window, (out, lse))
         if self._lib.ps_decode_attention_f32(ctypes.byref(args)) != 0:
             raise ValueError("shapes outside the native decode kernel's limits")
 
@@ -164,22 +164,22 @@ class NativeDecode:
         ``rows``, in its order and threads, with no attention (the layout's bandwidth ceiling).
         Same preconditions as :meth:`decode`."""
         _, _, num_kv_heads, head_dim = k_cache.shape
-        query = torch.empty(1, num_kv_heads, head_dim)
-        args = self._args(query, k_cache, v_cache, block_tables, rows, 1.0, window, query, query)
+        q = torch.empty(1, num_kv_heads, head_dim)  # read by no one: rows carry no heads here
+        args = self._args(q, (k_cache, v_cache), block_tables, rows, 1.0, window, (q, q))
         return float(self._lib.ps_read_blocks_f32(ctypes.byref(args)))
 
     @staticmethod
     def _args(
         query: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        caches: tuple[torch.Tensor, torch.Tensor],
         block_tables: torch.Tensor,
         rows: DecodeRows,
         scale: float,
         window: int | None,
-        out: torch.Tensor,
-        lse: torch.Tensor,
+        outputs: tuple[torch.Tensor, torch.Tensor],
     ) -> _DecodeArgs:
+        """The C call's argument struct (``caches``: keys, values; ``outputs``: out, lse)."""
+        (k_cache, v_cache), (out, lse) = caches, outputs
         _, block_size, num_kv_heads, head_dim = k_cache.shape
         return _DecodeArgs(
             query=query.data_ptr(),

@@ -248,14 +248,22 @@ def test_kernels_decode_runs_at_other_head_shapes() -> None:
     got = bench_decode(4, 64, 2, HeadShape.parse("9/3/64"))
     assert got.batch == 4 and got.ctx == 64 and got.ms > 0
     assert got.kv_gbps > 0 and got.read_gbps > 0
-    assert got.fraction_of_read == pytest.approx(got.kv_gbps / got.read_gbps, rel=0.02, abs=2e-3)
     assert got.cold_kv_gbps > 0 and got.cold_read_gbps > 0
-    assert got.cold_fraction_of_read == pytest.approx(
-        got.cold_kv_gbps / got.cold_read_gbps, rel=0.02, abs=2e-3
-    )
     assert got.cold_blocks_read_gbps > 0  # the C kernel builds wherever the suite runs
+
+    def rounded(*gbps: float) -> float:
+        """Relative error of a ratio of figures rounded to 2 decimals (small figures on a loaded
+        machine: a 0.04 GB/s call is off by up to 12%)."""
+        return 0.02 + sum(0.005 / x for x in gbps)
+
+    warm_kv, warm_read = got.kv_gbps, got.read_gbps
+    assert got.fraction_of_read == pytest.approx(
+        warm_kv / warm_read, rel=rounded(warm_kv, warm_read), abs=2e-3
+    )
+    kv, read, blocks = got.cold_kv_gbps, got.cold_read_gbps, got.cold_blocks_read_gbps
+    assert got.cold_fraction_of_read == pytest.approx(kv / read, rel=rounded(kv, read), abs=2e-3)
     assert got.cold_fraction_of_blocks_read == pytest.approx(
-        got.cold_kv_gbps / got.cold_blocks_read_gbps, rel=0.02, abs=2e-3
+        kv / blocks, rel=rounded(kv, blocks), abs=2e-3
     )
     with pytest.raises(argparse.ArgumentTypeError):
         HeadShape.parse("9/4/64")
