@@ -18,8 +18,9 @@ project benchmarks):
   partly read from there. ``cold_*``: the kernel and the sum alternating, each after a read of
   a 128 MB buffer, so both from DRAM (every layer of the engine reads its K/V cold);
   ``cold_fraction_of_read`` is the issue's measure. ``cold_blocks_read_gbps``: a plain sum over
-  exactly the scattered blocks the kernel reads (same order, threads and prefetch), the ceiling
-  the pool's layout sets; ``cold_fraction_of_blocks_read`` the kernel's rate over it.
+  exactly the scattered blocks the kernel reads (same rows, order and threads, the next block
+  prefetched), the ceiling the pool's layout sets; ``cold_fraction_of_blocks_read`` the
+  kernel's rate over it.
 
 Runs with transparent huge pages on large tensors, as the engine does (``worker.cpu_memory``):
 set before torch allocates anything; ``THP_MEM_ALLOC_ENABLE=0`` in the environment opts out.
@@ -90,7 +91,7 @@ def cold_gbps(
     Why beside the warm figures: a K/V near the L3's size stays partly resident across
     back-to-back calls (a contiguous sum's buffer more so than a scattered block pool), so the
     warm fraction compares unlike things; in the engine every layer's K/V is cold (the other
-    layers' K/V and weights pass in between)."""  # fmt: skip
+    layers' K/V and weights pass in between)."""
     flush = torch.ones(flush_bytes // 4)
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats + 1):
