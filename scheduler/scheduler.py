@@ -78,19 +78,31 @@ class Scheduler:
         finished, self._finished = self._finished, []
         return finished
 
-    def admission_capacity(self) -> int:
+    def admission_capacity(self, lookahead: int = 0) -> int:
         """How many more sequences to admit now without overcommitting the KV pool.
 
         A sequence is counted as needing as many blocks as the running ones hold on average (at
-        least one); sequences already waiting count against the seats.
+        least one); sequences already waiting count against the seats. ``lookahead``: that many
+        more may wait beyond the seats and blocks (a worker's local queue, admitted the step a
+        seat frees instead of a claim round trip later).
         """
-        seats = self.config.max_num_seqs - self.num_running - self.num_waiting
+        seats = self.config.max_num_seqs + lookahead - self.num_running - self.num_waiting
         if seats <= 0:
             return 0
         free = self.pool.num_free
         used = self.pool.num_blocks - free
         per_seq = max(1, used // self.num_running) if self.num_running else 1
-        return max(0, min(seats, free // per_seq - self.num_waiting))
+        return max(0, min(seats, free // per_seq + lookahead - self.num_waiting))
+
+    def unstarted(self) -> list[str]:
+        """Request ids of the waiting sequences never scheduled (nothing computed, never
+        preempted), in queue order: what a draining worker hands back untouched."""
+        return [
+            seq.request_id
+            for prio in sorted(self.waiting)
+            for seq in self.waiting[prio]
+            if seq.num_computed == 0 and seq.num_preemptions == 0
+        ]
 
     def prefix_cache_stats(self) -> PrefixCacheStats:
         """A copy of the prefix cache's cumulative lookup counters."""

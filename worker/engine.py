@@ -218,13 +218,22 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
-    def free_capacity(self) -> int:
+    def free_capacity(self, lookahead: int = 0) -> int:
         """How many more requests to admit now without overcommitting the KV pool.
 
         A request is counted as needing as many blocks as the running ones hold on average (at
-        least one); requests already waiting count against the seats.
+        least one); requests already waiting count against the seats; ``lookahead`` more may
+        wait beyond them (:meth:`Scheduler.admission_capacity`).
         """
-        return self.scheduler.admission_capacity()
+        return self.scheduler.admission_capacity(lookahead)
+
+    def num_waiting(self) -> int:
+        """Sequences queued here and not running (new, or preempted)."""
+        return self.scheduler.num_waiting
+
+    def unstarted(self) -> list[str]:
+        """Requests added and not yet scheduled once (:meth:`Scheduler.unstarted`)."""
+        return self.scheduler.unstarted()
 
     # --------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:

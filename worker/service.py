@@ -35,6 +35,7 @@ import logging
 import signal
 import sys
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -78,6 +79,12 @@ log = logging.getLogger("pagedserve.worker")
 
 #: Most jobs leased by one claim call.
 MAX_CLAIM = 64
+#: The local queue (jobs leased beyond the free seats, waiting in the engine) holds about as
+#: many jobs as finished here in this many seconds: the expected wait it adds to a job is this
+#: long, and it vanishes when jobs stop finishing (long generations hold every seat).
+LOOKAHEAD_S = 0.5
+#: ... and at most this share of ``max_num_seqs``.
+LOOKAHEAD_SHARE = 8
 
 
 class HeldJobs:
@@ -116,6 +123,8 @@ class Worker:
         self.next_bulk_flush = 0.0  # ... and the bulk jobs' too
         self.draining = False
         self.drain_deadline = float("inf")
+        self.unstarted_handed_back = False
+        self.finish_times: deque[float] = deque()  # when jobs ended here, the last LOOKAHEAD_S
         self.guard = RedisGuard(store)
         self._redis = self.guard.call
         self.last_claim = self.last_reclaim = self.last_renew = self.last_hb = 0.0
@@ -132,9 +141,26 @@ class Worker:
 
     # ----------------------------------------------------------------- admission
     def _capacity(self) -> int:
+        """Jobs to claim now: the engine's free seats plus the local queue's lookahead. While
+        that queue still feeds the next steps, claims wait until half of it is used up, so a
+        round takes several jobs (each round is Redis round trips and the parsing of leases
+        on this process's interpreter lock, which the engine's steps wait on)."""
         if self.draining:
             return 0
-        return max(0, min(MAX_CLAIM, self.engine.free_capacity() - len(self.pretok)))
+        ahead = self._lookahead()
+        cap = min(MAX_CLAIM, self.engine.free_capacity(ahead) - len(self.pretok))
+        if cap <= 0 or (cap < ahead // 2 and self.engine.num_waiting() > 0):
+            return 0
+        return cap
+
+    def _lookahead(self) -> int:
+        """How many leased jobs may wait here beyond the free seats (module constants): those
+        get a seat the very step one frees, not a claim round later (the seats of a fast
+        engine otherwise stay empty a step or two after every finish; ``bench.service``)."""
+        times, horizon = self.finish_times, time.monotonic() - LOOKAHEAD_S
+        while times and times[0] < horizon:
+            times.popleft()
+        return min(len(times), self.engine.config.max_num_seqs // LOOKAHEAD_SHARE)
 
     def _admit(self, leases: list[Lease], created_at: Mapping[str, float]) -> None:
         """Start the leased jobs; ``created_at``: their submission times (Redis clock), where
@@ -306,6 +332,7 @@ class Worker:
 
     def _finish(self, st: JobState, out: RequestOutput) -> None:
         self.jobs.pop(st.lease.job_id, None)
+        self.finish_times.append(time.monotonic())
         self.admission.finished(st.lease.job_id, out)
         self.unsent_progress += st.take_progress()
         self.telemetry.e2e.observe(max(0.0, self.guard.now() - st.created_at))
@@ -363,6 +390,22 @@ class Worker:
             log.error("job %s: final write refused again, dropped: %s", err.job_id, err.message)
 
     # ----------------------------------------------------------------- drain
+    def hand_back_unstarted(self) -> None:
+        """Draining: the jobs waiting in the engine's queue that never ran (the lookahead's,
+        or leased while seats were full) go back to the queue at once, for other workers;
+        the grace period is for the jobs that run."""
+        self.unstarted_handed_back = True
+        leases = []
+        for jid in self.engine.unstarted():
+            st = self.jobs.pop(jid, None)
+            if st is not None:
+                self.engine.abort(jid)
+                self.admission.finished(jid, None)
+                leases.append(st.lease)
+        if leases:
+            log.info("draining: %d jobs not started handed back", len(leases))
+        self._hand_back(leases)
+
     def drain_expired(self) -> None:
         """Past the grace period: hand running jobs back to the queue (after their progress)."""
         self.commit()
@@ -411,6 +454,8 @@ class Worker:
         log.info("worker %s serving %s", self.cfg.worker_id, self.engine.model_name)
         while True:
             if self.draining:
+                if not self.unstarted_handed_back:
+                    self.hand_back_unstarted()
                 if (not self.jobs and not self.unsent and self.writer.idle()
                         and not self.claimer.pending):  # fmt: skip
                     break
