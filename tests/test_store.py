@@ -254,6 +254,42 @@ def test_commit_step_batches_many_jobs(store: JobStore) -> None:
     assert again.lost == ["j0", "j1", "j2"]
 
 
+def evalsha_calls(store: JobStore) -> int:
+    return int(store.r.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+
+
+def test_a_steps_deltas_go_in_one_script_call_each_job_answered_apart(store: JobStore) -> None:
+    """progress_many.lua: every delta of a step in one call; each job still gets its own
+    answer: written, refused (a stale lease), or its own error (its events key is not a
+    stream), which stops that job's writes and no other's."""
+    for jid in ("a", "b", "c", "d"):
+        store.enqueue(jid, req())
+    leases = {x.job_id: x for x in store.claim("w", 4)}
+    store.r.set(store.keys.events("b"), "not a stream")
+    stale = replace(leases["c"], fence=leases["c"].fence + 1)
+    deltas = [
+        Progress(leases["a"], 2, "hi", [1, 2]),
+        Progress(leases["b"], 1, "x", [3]),
+        Progress(stale, 1, "y", [4]),
+        Progress(leases["d"], 1, "z", [5], end=2),
+    ]
+    before = evalsha_calls(store)
+    step = store.commit_step(progress=deltas)
+    assert evalsha_calls(store) == before + 1
+    assert [e.job_id for e in step.errors] == ["b"] and "WRONGTYPE" in step.errors[0].message
+    assert step.errors[0].finish is None
+    assert step.lost == ["c"] and step.refused == [("c", stale.fence)]
+    got = {jid: store.get(jid) for jid in "abcd"}
+    assert {jid: r.tokens_generated for jid, r in got.items() if r} == {
+        "a": 2, "b": 0, "c": 0, "d": 1,
+    }  # fmt: skip
+    (ev,) = [f for _, f in store.r.xrange(store.keys.events("a"))]
+    assert ev["type"] == "delta" and ev["text"] == "hi" and ev["token_ids"] == "[1,2]"
+    # Sent again (the reply was lost with the connection): d's delta is not written twice.
+    assert store.commit_step(progress=deltas[3:]).lost == []
+    assert len(store.r.xrange(store.keys.events("d"))) == 1
+
+
 def test_retention_ttl_set_when_job_ends(store: JobStore) -> None:
     store.enqueue("j", req(idempotency_key="idem"))
     (lease,) = store.claim("w", 1)

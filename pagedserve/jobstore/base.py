@@ -25,6 +25,7 @@ _SCRIPTS = (
     "renew",
     "finish",
     "progress",
+    "progress_many",
     "release",
     "cancel",
     "pop_cancels",

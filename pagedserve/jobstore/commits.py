@@ -7,6 +7,9 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import redis
 
 from pagedserve import openai_format
 from pagedserve.jobstore.base import Call, StoreBase
@@ -73,18 +76,36 @@ class Commits(StoreBase):
         return lease.idem_key or self.keys.job(lease.job_id)
 
     def _progress_call(self, p: Progress) -> Call:
-        lease = p.lease
-        keys = [self.keys.job(lease.job_id), self.keys.events(lease.job_id)]
-        args = [
-            lease.fence,
-            p.tokens_generated,
-            p.index,
-            p.delta_text,
-            json.dumps(list(p.delta_token_ids), separators=(",", ":")),
-            self.events_maxlen,
-            p.end,
-        ]
-        return ("progress", keys, args)
+        keys = [self.keys.job(p.lease.job_id), self.keys.events(p.lease.job_id)]
+        *values, end = self._progress_args(p)
+        return ("progress", keys, [*values, self.events_maxlen, end])
+
+    @staticmethod
+    def _progress_args(p: Progress) -> list[Any]:
+        """``progress_many.lua``'s six values of one delta (``progress.lua`` takes the same,
+        with the events' maxlen before the end)."""
+        ids = json.dumps(list(p.delta_token_ids), separators=(",", ":"))
+        return [p.lease.fence, p.tokens_generated, p.index, p.delta_text, ids, p.end]
+
+    def _progress_many_call(
+        self, progress: Iterable[Progress], out: StepResult
+    ) -> tuple[Call, list[Lease]] | None:
+        """Every delta of a step as one ``progress_many.lua`` call (not on a cluster), with the
+        leases in its order; a delta whose values cannot be built is that job's write error."""
+        keys: list[str] = []
+        args: list[Any] = [self.events_maxlen]
+        leases: list[Lease] = []
+        for p in progress:
+            try:
+                values = self._progress_args(p)
+            except Exception as e:
+                log.warning("write for job %s not built: %r", p.lease.job_id, e)
+                out.errors.append(WriteError(p.lease.job_id, f"{type(e).__name__}: {e}"))
+                continue
+            keys += (self.keys.job(p.lease.job_id), self.keys.events(p.lease.job_id))
+            args += values
+            leases.append(p.lease)
+        return (("progress_many", keys, args), leases) if leases else None
 
     def commit_step(
         self,
@@ -92,18 +113,22 @@ class Commits(StoreBase):
         progress: Iterable[Progress] = (),
         finished: Iterable[Finish] = (),
     ) -> StepResult:
-        """One round trip per engine step: all progress updates, all final writes, and (with
-        ``consumer``) the drain of that worker's cancel set. Refused writes (lease lost) are
-        reported in :attr:`StepResult.lost`, each job once, and in :attr:`StepResult.refused`
-        with the fence of each refused write. A write that cannot be built or that Redis answers
-        with an error is reported in :attr:`StepResult.errors` (the other writes still count)."""
-        finished = list(finished)
+        """One round trip per engine step: all progress updates (one script call for all of
+        them, but on a cluster), all final writes, and (with ``consumer``) the drain of that
+        worker's cancel set. Refused writes (lease lost) are reported in
+        :attr:`StepResult.lost`, each job once, and in :attr:`StepResult.refused` with the
+        fence of each refused write. A write that cannot be built or that Redis answers with
+        an error is reported in :attr:`StepResult.errors` (the other writes still count)."""
+        progress, finished = list(progress), list(finished)
         if any(f.status == "succeeded" and f.result is None for f in finished):
             raise ValueError("a succeeded job needs a result")  # the caller's bug, not the job's
         calls: list[Call] = []
         sent: list[tuple[Lease, Finish | None]] = []
         out = StepResult()
-        for p in progress:
+        many = None if self.cluster else self._progress_many_call(progress, out)
+        if many is not None:
+            calls.append(many[0])
+        for p in progress if self.cluster else ():
             self._add_call(calls, sent, out, p.lease, None, lambda p=p: self._progress_call(p))
         for f in finished:
             self._add_call(calls, sent, out, f.lease, f, lambda f=f: self._finish_call(f))
@@ -112,22 +137,15 @@ class Commits(StoreBase):
             calls.append(("pop_cancels", [self.keys.cancel(consumer or "", k)], []))
         replies = self._exec(calls, raise_errors=False)
         ended: list[Finish] = []
+        if many is not None:
+            reply, replies = replies[0], replies[1:]
+            per_job = reply if isinstance(reply, list) else [reply] * len(many[1])
+            for lease, r in zip(many[1], per_job, strict=True):
+                if isinstance(r, bytes | str):  # that job's error, caught in the script
+                    r = redis.ResponseError(r.decode() if isinstance(r, bytes) else r)
+                self._take_reply(out, ended, lease, None, r)
         for (lease, fin), reply in zip(sent, replies, strict=False):
-            jid = lease.job_id
-            if isinstance(reply, Exception):
-                log.warning("write for job %s failed: %s", jid, reply)
-                out.errors.append(WriteError(jid, str(reply), fin))
-                continue
-            ok = reply[0] if isinstance(reply, list) else reply
-            if not ok:
-                out.refused.append((jid, lease.fence))
-                if jid not in out.lost:
-                    out.lost.append(jid)
-                    log.warning("write for job %s refused: lease lost", jid)
-            elif fin is not None:
-                out.finished.append(fin.status)
-                if lease.batch is not None and self.cluster:
-                    ended.append(fin)
+            self._take_reply(out, ended, lease, fin, reply)
         for reply in replies[len(replies) - drains :] if drains else []:
             if isinstance(reply, Exception):
                 # The writes above went through: a broken cancel set (a key of the wrong type)
@@ -138,6 +156,26 @@ class Commits(StoreBase):
         if ended:
             self.add_batch_lines([self._line_of(f) for f in ended])
         return out
+
+    def _take_reply(
+        self, out: StepResult, ended: list[Finish], lease: Lease, fin: Finish | None, reply: Any
+    ) -> None:
+        """Book one job's reply: an error, a refusal (lease lost) or a write done."""
+        jid = lease.job_id
+        if isinstance(reply, Exception):
+            log.warning("write for job %s failed: %s", jid, reply)
+            out.errors.append(WriteError(jid, str(reply), fin))
+            return
+        ok = reply[0] if isinstance(reply, list) else reply
+        if not ok:
+            out.refused.append((jid, lease.fence))
+            if jid not in out.lost:
+                out.lost.append(jid)
+                log.warning("write for job %s refused: lease lost", jid)
+        elif fin is not None:
+            out.finished.append(fin.status)
+            if lease.batch is not None and self.cluster:
+                ended.append(fin)
 
     @staticmethod
     def _line_of(fin: Finish) -> LineAdd:
