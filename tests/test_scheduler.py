@@ -186,6 +186,31 @@ def test_admission_capacity_counts_seats_and_average_blocks_per_running_sequence
     assert s.admission_capacity() == 0  # no seats left
 
 
+def test_lookahead_lets_sequences_wait_beyond_seats_and_blocks() -> None:
+    s = make(num_blocks=16, block_size=4, max_seqs=2)
+    for i in range(2):
+        s.add_sequence(f"r{i}", [i + 1] * 5, STOP)
+    run_step(s)  # both seats taken, 2 blocks each
+    assert s.admission_capacity() == 0
+    assert s.admission_capacity(lookahead=3) == 3  # may wait here for a seat
+    s.add_sequence("w", [7] * 5, STOP)
+    assert s.admission_capacity(lookahead=3) == 2  # the waiting one counts against them
+    assert s.unstarted() == ["w"]
+
+
+def test_unstarted_leaves_out_running_and_preempted_sequences() -> None:
+    s = make(num_blocks=4, block_size=4, max_seqs=4)
+    s.add_sequence("a", [1] * 7, STOP)
+    s.add_sequence("b", [2] * 7, STOP)
+    run_step(s)  # both prefilled: 4 blocks in use
+    s.add_sequence("c", [3] * 3, STOP)
+    assert s.unstarted() == ["c"]
+    for _ in range(3):  # growing past a block preempts "b" (recompute): started before
+        run_step(s)
+    assert s.stats.num_preemptions >= 1
+    assert "b" not in s.unstarted() and "c" in s.unstarted()
+
+
 def test_salt_separates_prefix_caches() -> None:
     s = make(num_blocks=16, block_size=4)
     prompt = list(range(1, 10))

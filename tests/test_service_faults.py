@@ -133,6 +133,41 @@ def test_sigterm_drains_running_jobs(
     assert "w" not in client.store.workers()
 
 
+def test_local_queue_fills_a_freed_seat_and_goes_back_on_sigterm(
+    redis_url: str, model_dir: Path, start_worker: StartWorker
+) -> None:
+    """Once jobs finish, the worker leases a job beyond its free seats (the local queue, as
+    many as finished in the last half second, at most max_num_seqs / 8); on SIGTERM that job,
+    never started, goes back to the queue at once while the running ones finish."""
+    client = Client(redis_url)
+    w = start_worker(redis_url, model_dir, "w", "--grace-s", "30", "--log-level", "INFO",
+                     "--max-model-len", "2048", "--heartbeat-s", "0.1",
+                     "--max-num-seqs", "8")  # fmt: skip
+    long = {"max_tokens": 1200, "temperature": 0, "ignore_eos": True}
+    shorts = client.submit_many([f"short {i}" for i in range(6)], SHORT)
+    longs = client.submit_many([f"long {i}" for i in range(10)], long)
+    # The first round takes the 6 short jobs and 2 long ones; when the short ones end, 6 seats
+    # are free and 1 job more may wait: 7 more long jobs are leased, the tenth stays queued.
+
+    def leased_beyond_seats() -> bool:
+        return len(client.store.workers().get("w", {}).get("jobs", [])) == 9
+
+    wait_for(leased_beyond_seats, what="8 running jobs and 1 waiting in the worker")
+    w.terminate()
+    assert w.wait(timeout=90) == 0
+    assert [r.status for r in client.wait_many(shorts, timeout=1)] == [JobStatus.SUCCEEDED] * 6
+    statuses = client.store.statuses(longs)
+    assert statuses.count(JobStatus.SUCCEEDED) == 8 and statuses.count(JobStatus.QUEUED) == 2
+    assert "draining: 1 jobs not started handed back" in w.log()
+    for jid, st in zip(longs, statuses, strict=True):
+        rec = client.get(jid)
+        assert rec is not None
+        if st == JobStatus.QUEUED:
+            assert rec.worker is None and rec.tokens_generated == 0
+        else:
+            assert rec.result is not None and rec.result.completion_tokens == 1200
+
+
 def test_sigterm_past_grace_releases_to_the_queue(
     redis_url: str, model_dir: Path, start_worker: StartWorker
 ) -> None:
