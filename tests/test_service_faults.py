@@ -152,13 +152,18 @@ def test_local_queue_fills_a_freed_seat_and_goes_back_on_sigterm(
     def leased_beyond_seats() -> bool:
         return len(client.store.workers().get("w", {}).get("jobs", [])) == 9
 
-    wait_for(leased_beyond_seats, what="8 running jobs and 1 waiting in the worker")
-    w.terminate()
-    assert w.wait(timeout=90) == 0
-    assert [r.status for r in client.wait_many(shorts, timeout=1)] == [JobStatus.SUCCEEDED] * 6
-    statuses = client.store.statuses(longs)
-    assert statuses.count(JobStatus.SUCCEEDED) == 8 and statuses.count(JobStatus.QUEUED) == 2
-    assert "draining: 1 jobs not started handed back" in w.log()
+    try:
+        wait_for(leased_beyond_seats, what="8 running jobs and 1 waiting in the worker")
+        w.terminate()
+        assert w.wait(timeout=90) == 0
+        assert [r.status for r in client.wait_many(shorts, timeout=1)] == [JobStatus.SUCCEEDED] * 6
+        statuses = client.store.statuses(longs)
+        assert statuses.count(JobStatus.SUCCEEDED) == 8 and statuses.count(JobStatus.QUEUED) == 2
+        assert "draining: 1 jobs not started handed back" in w.log()
+    except AssertionError as e:  # say what the worker held and did
+        held = client.store.workers().get("w", {}).get("jobs", [])
+        states = client.store.statuses(shorts + longs)
+        raise AssertionError(f"{e}\nheld: {held}\nstatuses: {states}\nlog:\n{w.log()}") from e
     for jid, st in zip(longs, statuses, strict=True):
         rec = client.get(jid)
         assert rec is not None

@@ -120,6 +120,31 @@ def test_deltas_arrive_in_order_and_the_final_write_after_them(store: JobStore) 
     assert writer.close(5) and writer.idle()
 
 
+def test_bulk_writes_wait_for_the_next_send_urgent_ones_go_at_once(store: JobStore) -> None:
+    """A write not marked urgent waits for the writer's next send (at most ``interval_s`` after
+    the last one), so that writes of many steps wake the thread once; an urgent one (or a
+    flush) sends everything in hand at once, in order."""
+    a, b, c = leases(store, 3)
+    writer = Writer(store, "w", interval_s=60.0)
+    writer.put([Progress(a, 1, "x", [1])], [], cancels=False, urgent=False)  # the first send
+    deadline = time.monotonic() + 30
+    while not events(store, a.job_id) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    writer.put([Progress(b, 1, "y", [2])], [], cancels=False, urgent=False)
+    time.sleep(0.5)
+    assert events(store, b.job_id) == []  # due a minute after the first send
+    writer.put([Progress(c, 1, "z", [3])], [], cancels=False, urgent=True)
+    deadline = time.monotonic() + 30
+    while not events(store, c.job_id) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert accumulate(events(store, b.job_id)).texts == {0: "y"}  # sent with the urgent one
+    assert accumulate(events(store, c.job_id)).texts == {0: "z"}
+    writer.put([], [Finish(b, "succeeded", result=result([2], "y"))], cancels=False, urgent=False)
+    assert writer.flush(30)  # a flush does not wait for the interval either
+    assert store.status(b.job_id) == JobStatus.SUCCEEDED
+    assert writer.close(5)
+
+
 def test_a_lost_lease_is_refused_with_its_fence(store: JobStore) -> None:
     (old,) = leases(store, 1)
     (new,) = store.reclaim("x", 0, 1)  # presumed dead: another worker took the job

@@ -225,18 +225,26 @@ class PrefixAdmission:
             g.probe = _probe_of(out.prompt_token_ids, bs)
 
     def _update(self, full: bool = False) -> None:
-        """Pilots whose prefill is done, jobs that ended without ``finished``, cache probes, and
-        groups to drop. Every admission round runs this over every group, so its probe is cheap
-        (is the first block still cached?); the heartbeat's (``full``) counts the blocks."""
+        """Pilots whose prefill is done, cache probes, and (``full``, the heartbeat's) jobs that
+        ended without ``finished`` and a count of every group's cached blocks. Every admission
+        round runs this over every group, so its part is cheap: a group with jobs running here
+        keeps its count (they hold its prefix blocks), any other is probed for its first block."""
         for g in list(self.groups.values()):
-            for jid in [j for j in g.running if j not in self.jobs]:
-                self.finished(jid, None)
-            st = self.jobs.get(g.pilot) if g.pilot is not None else None
-            if g.pilot is not None and (st is None or st.first_token_seen):
-                if st is not None and st.latest is not None and not g.probe:
-                    g.probe = _probe_of(st.latest.prompt_token_ids, self._block_size())
-                g.pilot = None
-            g.blocks = self._cached_blocks(g) if full else self._still_cached(g)
+            if full:
+                for jid in [j for j in g.running if j not in self.jobs]:
+                    self.finished(jid, None)
+            if g.pilot is not None:
+                st = self.jobs.get(g.pilot)
+                if st is None or st.first_token_seen:
+                    if st is not None and st.latest is not None and not g.probe:
+                        g.probe = _probe_of(st.latest.prompt_token_ids, self._block_size())
+                    g.pilot = None
+            if full:
+                g.blocks = self._cached_blocks(g)
+            elif not g.probe:
+                g.blocks = 0
+            elif not (g.running and g.blocks):
+                g.blocks = self._still_cached(g)
 
     def _still_cached(self, g: Group) -> int:
         """``g.blocks`` as of the last count while the group's first block stays cached (a

@@ -115,7 +115,7 @@ class Worker:
         self.jobs: dict[str, JobState] = {}
         self.unsent: list[Finish] = []  # this iteration's final writes, for the writer
         self.unsent_progress: list[Progress] = []
-        self.writer = Writer(store, cfg.worker_id, cfg.cancel_poll_s)
+        self.writer = Writer(store, cfg.worker_id, cfg.cancel_poll_s, cfg.write_interval_s)
         self.claimer = Claimer(store, cfg.worker_id, claim_round)
         self.held = HeldJobs(self.jobs, self.writer)
         self.urgent: list[JobState] = []  # to flush at the next step (first token, replay)
@@ -345,13 +345,21 @@ class Worker:
     def commit(self) -> None:
         """Hand this iteration's writes to the writer (no round trip here), and act on what
         Redis answered to earlier ones: lost leases, write errors, cancel requests."""
-        self.writer.put(self.unsent_progress, self.unsent, cancels=bool(self.jobs))
-        self.unsent_progress, self.unsent = [], []
+        self._put_writes()
         for res in self.writer.take_reports():
             self._on_report(res)
-        if self.unsent:  # cancellations and refused final writes: sent at once
-            self.writer.put(self.unsent_progress, self.unsent, cancels=bool(self.jobs))
-            self.unsent_progress, self.unsent = [], []
+        if self.unsent:  # cancellations and refused final writes
+            self._put_writes()
+
+    def _put_writes(self) -> None:
+        """Hand the writes over; an interactive job's make the writer send at once, bulk jobs'
+        go with its next send (``write_interval_s``)."""
+        progress, finals = self.unsent_progress, self.unsent
+        urgent = any(p.lease.priority != "bulk" for p in progress) or any(
+            f.lease.priority != "bulk" for f in finals
+        )
+        self.writer.put(progress, finals, cancels=bool(self.jobs), urgent=urgent)
+        self.unsent_progress, self.unsent = [], []
 
     def _on_report(self, res: StepResult) -> None:
         self.telemetry.finished_counts.update(res.finished)

@@ -86,7 +86,10 @@ class ServiceConfig:
         metadata=opt("prefix groups served at once; 0: as many prefixes as the KV pool holds"),
     )
     # While jobs run, the writer drains the cancel set with every write and at least this often.
-    cancel_poll_s: float = 0.025
+    cancel_poll_s: float = 0.05
+    # Writes of bulk jobs wait for the writer's next send, at most this long after the last one
+    # (interactive jobs' go at once): fewer wakes of the writer's thread (worker/writer.py).
+    write_interval_s: float = 0.05
     # At exit, how long the writer may go on retrying writes that Redis has not taken yet.
     writer_drain_s: float = 5.0
 
