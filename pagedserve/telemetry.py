@@ -119,7 +119,8 @@ class WorkerHeartbeat(BaseModel):
     prefix_cache: PrefixCacheSnapshot = Field(default_factory=PrefixCacheSnapshot)
     pool: PoolSnapshot | None = None
     jobs: list[RunningJob] = Field(default_factory=list)
-    # Prefix-aware admission: the groups this worker serves or served lately, most recent first.
+    # Prefix-aware admission: the groups this worker serves or served lately, most recent first
+    # (at most 64: worker.admission.MAX_GROUPS).
     prefixes: list[PrefixGroup] = Field(default_factory=list)
     time_to_first_token_seconds: Histogram = Field(default_factory=Histogram)
     e2e_request_latency_seconds: Histogram = Field(default_factory=Histogram)

@@ -21,6 +21,7 @@ worker may take it.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -226,9 +227,10 @@ class PrefixAdmission:
 
     def _update(self, full: bool = False) -> None:
         """Pilots whose prefill is done, cache probes, and (``full``, the heartbeat's) jobs that
-        ended without ``finished`` and a count of every group's cached blocks. Every admission
-        round runs this over every group, so its part is cheap: a group with jobs running here
-        keeps its count (they hold its prefix blocks), any other is probed for its first block."""
+        ended without ``finished`` and a count of the cached blocks of every group that has
+        none running here. Every admission round runs this over every group, so its part is
+        cheap: a group with jobs running here keeps its count (they hold its prefix blocks), any
+        other is probed for its first block."""
         for g in list(self.groups.values()):
             if full:
                 for jid in [j for j in g.running if j not in self.jobs]:
@@ -239,11 +241,13 @@ class PrefixAdmission:
                     if st is not None and st.latest is not None and not g.probe:
                         g.probe = _probe_of(st.latest.prompt_token_ids, self._block_size())
                     g.pilot = None
-            if full:
-                g.blocks = self._cached_blocks(g)
-            elif not g.probe:
+            if not g.probe:
                 g.blocks = 0
-            elif not (g.running and g.blocks):
+            elif g.running and g.blocks:
+                continue  # its running jobs hold the blocks counted
+            elif full:
+                g.blocks = self._cached_blocks(g)
+            else:
                 g.blocks = self._still_cached(g)
 
     def _still_cached(self, g: Group) -> int:
@@ -306,7 +310,9 @@ class PrefixAdmission:
             g.owned = False
 
     def telemetry(self) -> list[PrefixGroup]:
-        return [g.telemetry() for g in reversed(self.groups.values())]
+        """The MAX_GROUPS most recently used groups (prompts that share nothing make one group
+        each: with every seat running, the heartbeat carried hundreds, ~10 ms a beat)."""
+        return [g.telemetry() for g in itertools.islice(reversed(self.groups.values()), MAX_GROUPS)]
 
     # ----------------------------------------------------------------- helpers
     def _group(self, sig: str) -> Group:
