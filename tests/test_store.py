@@ -254,6 +254,16 @@ def test_commit_step_batches_many_jobs(store: JobStore) -> None:
     assert again.lost == ["j0", "j1", "j2"]
 
 
+def test_a_lease_carries_the_jobs_submission_time(store: JobStore) -> None:
+    """The lease script returns the record's ``created_at`` (the worker's time-to-first-token
+    and latency start there; it was a round trip more per claim round)."""
+    store.enqueue("j", req())
+    (lease,) = store.claim("w", 1)
+    raw = store.r.hget(store.keys.job("j"), "created_at")
+    assert raw and lease.created_at == float(raw)
+    assert lease.batch is None and lease.idem_key is None
+
+
 def evalsha_calls(store: JobStore) -> int:
     return int(store.r.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
 

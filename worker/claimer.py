@@ -24,7 +24,6 @@ retry time on the thread, never on the loop.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue
 import threading
@@ -155,24 +154,9 @@ class Claimer:
             log.exception("claimer: claim round failed")
             out.down = True
         out.malformed = self.store.take_malformed()
-        if out.leases and not out.down:
-            out.created_at = self._created_at([x.job_id for x in out.leases])
-        return out
-
-    def _created_at(self, job_ids: list[str]) -> dict[str, float]:
-        """The jobs' submission times (for the time-to-first-token and latency metrics), in one
-        round trip; a job whose time cannot be read is left out (the loop uses its own now)."""
-        pipe = self.store.r.pipeline(transaction=False)
-        for jid in job_ids:
-            pipe.hget(self.store.keys.job(jid), "created_at")
-        try:
-            values = self.guard.call(pipe.execute, raise_on_error=False)
-        except RedisDown:
-            return {}
-        out = {}
-        for jid, v in zip(job_ids, values, strict=True):
-            with contextlib.suppress(TypeError, ValueError):
-                out[jid] = float(v)
+        # The jobs' submission times (time-to-first-token and latency metrics), read by the
+        # lease script; a job without one is left out (the loop uses its own now).
+        out.created_at = {x.job_id: x.created_at for x in out.leases if x.created_at is not None}
         return out
 
 

@@ -277,8 +277,9 @@ class Leasing(StoreBase):
             entry_id=eid,
             request=request,
             deliveries=int(reply[3]),
-            batch=BatchRef.from_fields(reply[5:]),
+            batch=BatchRef.from_fields(reply[6:]),
             idem_key=reply[4] or None,
+            created_at=_float_or_none(reply[5] if len(reply) > 5 else None),
         )
         if reason is not None:
             # Leased (so owned and fenced) but handed over apart, to be failed at once.
@@ -346,3 +347,10 @@ class Leasing(StoreBase):
         for group, flags in zip(groups, self._exec(calls), strict=True):
             lost += [x.job_id for x, ok in zip(group, flags, strict=True) if not ok]
         return lost
+
+
+def _float_or_none(v: Any) -> float | None:
+    try:
+        return float(v) if v not in (None, "") else None
+    except (TypeError, ValueError):
+        return None

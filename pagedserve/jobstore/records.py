@@ -106,6 +106,8 @@ class Lease:
     #: The job's idempotency key (full key name, from the record's ``idem_key``), ``None`` for
     #: none: the final write expires it and, like every script, declares it.
     idem_key: str | None = None
+    #: When the job was submitted (the record's ``created_at``, Redis clock), if known.
+    created_at: float | None = None
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 -- KEYS: job hash, priority stream, dead-letter stream, events stream, the job's idempotency key
 --       (the job hash when the caller does not know it: see idem_matches)
 -- ARGV: consumer, group, entry id, lease ms, max deliveries, retention s, events maxlen
--- Returns {'ok', fence, request JSON, deliveries, idempotency key ('' for none), <batch fields>}
+-- Returns {'ok', fence, request JSON, deliveries, idempotency key ('' for none), created_at (''
+-- if unknown), <batch fields>}
 -- | {'skip', why, <batch fields>} | {'dead', reason, <batch fields>} | {'idem', idempotency key}:
 -- the job would end here (cancelled, dead-lettered) but KEYS[5] is not its idempotency key, which
 -- finish() expires; nothing changed, call again naming it (rare: most leases end nothing here); <batch fields>: batch_id, custom_id, batch_url,
@@ -66,5 +67,5 @@ if deliveries > 1 then
     redis.call('XTRIM', events, 'MINID', rid)
   end
 end
-return {'ok', fence, redis.call('HGET', job, 'request'), deliveries, cur[4] or '', b[1], b[2], b[3],
-  b[4]}
+return {'ok', fence, redis.call('HGET', job, 'request'), deliveries, cur[4] or '',
+  redis.call('HGET', job, 'created_at') or '', b[1], b[2], b[3], b[4]}
