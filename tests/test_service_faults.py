@@ -143,7 +143,7 @@ def test_local_queue_fills_a_freed_seat_and_goes_back_on_sigterm(
     w = start_worker(redis_url, model_dir, "w", "--grace-s", "30", "--log-level", "INFO",
                      "--max-model-len", "2048", "--heartbeat-s", "0.1",
                      "--max-num-seqs", "8")  # fmt: skip
-    long = {"max_tokens": 1200, "temperature": 0, "ignore_eos": True}
+    long = {"max_tokens": 600, "temperature": 0, "ignore_eos": True}
     shorts = client.submit_many([f"short {i}" for i in range(6)], SHORT)
     longs = client.submit_many([f"long {i}" for i in range(10)], long)
     # The first round takes the 6 short jobs and 2 long ones; when the short ones end, 6 seats
@@ -170,7 +170,7 @@ def test_local_queue_fills_a_freed_seat_and_goes_back_on_sigterm(
         if st == JobStatus.QUEUED:
             assert rec.worker is None and rec.tokens_generated == 0
         else:
-            assert rec.result is not None and rec.result.completion_tokens == 1200
+            assert rec.result is not None and rec.result.completion_tokens == 600
 
 
 def test_sigterm_past_grace_releases_to_the_queue(
