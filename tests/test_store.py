@@ -269,7 +269,7 @@ def evalsha_calls(store: JobStore) -> int:
 
 
 def test_a_steps_deltas_go_in_one_script_call_each_job_answered_apart(store: JobStore) -> None:
-    """progress_many.lua: every delta of a step in one call; each job still gets its own
+    """progress.lua: every delta of a step in one call; each job still gets its own
     answer: written, refused (a stale lease), or its own error (its events key is not a
     stream), which stops that job's writes and no other's."""
     for jid in ("a", "b", "c", "d"):

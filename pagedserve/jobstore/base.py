@@ -25,7 +25,6 @@ _SCRIPTS = (
     "renew",
     "finish",
     "progress",
-    "progress_many",
     "release",
     "cancel",
     "pop_cancels",

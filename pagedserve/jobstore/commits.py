@@ -75,37 +75,28 @@ class Commits(StoreBase):
         for none (``idem_matches`` in ``_common.lua``)."""
         return lease.idem_key or self.keys.job(lease.job_id)
 
-    def _progress_call(self, p: Progress) -> Call:
-        keys = [self.keys.job(p.lease.job_id), self.keys.events(p.lease.job_id)]
-        *values, end = self._progress_args(p)
-        return ("progress", keys, [*values, self.events_maxlen, end])
-
-    @staticmethod
-    def _progress_args(p: Progress) -> list[Any]:
-        """``progress_many.lua``'s six values of one delta (``progress.lua`` takes the same,
-        with the events' maxlen before the end)."""
-        ids = json.dumps(list(p.delta_token_ids), separators=(",", ":"))
-        return [p.lease.fence, p.tokens_generated, p.index, p.delta_text, ids, p.end]
-
-    def _progress_many_call(
+    def _progress_calls(
         self, progress: Iterable[Progress], out: StepResult
-    ) -> tuple[Call, list[Lease]] | None:
-        """Every delta of a step as one ``progress_many.lua`` call (not on a cluster), with the
-        leases in its order; a delta whose values cannot be built is that job's write error."""
-        keys: list[str] = []
-        args: list[Any] = [self.events_maxlen]
-        leases: list[Lease] = []
+    ) -> list[tuple[Call, list[Lease]]]:
+        """The step's deltas as ``progress.lua`` calls, each with the leases in its order: one
+        call for all on a single Redis, one per job on a cluster (their keys' slots differ). A
+        delta whose values cannot be built is that job's write error instead."""
+        groups: list[tuple[list[str], list[Any], list[Lease]]] = []
         for p in progress:
+            jid = p.lease.job_id
             try:
-                values = self._progress_args(p)
+                ids = json.dumps(list(p.delta_token_ids), separators=(",", ":"))
             except Exception as e:
-                log.warning("write for job %s not built: %r", p.lease.job_id, e)
-                out.errors.append(WriteError(p.lease.job_id, f"{type(e).__name__}: {e}"))
+                log.warning("write for job %s not built: %r", jid, e)
+                out.errors.append(WriteError(jid, f"{type(e).__name__}: {e}"))
                 continue
-            keys += (self.keys.job(p.lease.job_id), self.keys.events(p.lease.job_id))
-            args += values
+            if not groups or self.cluster:
+                groups.append(([], [self.events_maxlen], []))
+            keys, args, leases = groups[-1]
+            keys += (self.keys.job(jid), self.keys.events(jid))
+            args += (p.lease.fence, p.tokens_generated, p.index, p.delta_text, ids, p.end)
             leases.append(p.lease)
-        return (("progress_many", keys, args), leases) if leases else None
+        return [(("progress", keys, args), leases) for keys, args, leases in groups]
 
     def commit_step(
         self,
@@ -125,11 +116,8 @@ class Commits(StoreBase):
         calls: list[Call] = []
         sent: list[tuple[Lease, Finish | None]] = []
         out = StepResult()
-        many = None if self.cluster else self._progress_many_call(progress, out)
-        if many is not None:
-            calls.append(many[0])
-        for p in progress if self.cluster else ():
-            self._add_call(calls, sent, out, p.lease, None, lambda p=p: self._progress_call(p))
+        deltas = self._progress_calls(progress, out)
+        calls += [call for call, _ in deltas]
         for f in finished:
             self._add_call(calls, sent, out, f.lease, f, lambda f=f: self._finish_call(f))
         drains = self.keys.shards if consumer is not None else 0
@@ -137,13 +125,13 @@ class Commits(StoreBase):
             calls.append(("pop_cancels", [self.keys.cancel(consumer or "", k)], []))
         replies = self._exec(calls, raise_errors=False)
         ended: list[Finish] = []
-        if many is not None:
-            reply, replies = replies[0], replies[1:]
-            per_job = reply if isinstance(reply, list) else [reply] * len(many[1])
-            for lease, r in zip(many[1], per_job, strict=True):
+        for (_, leases), reply in zip(deltas, replies, strict=False):
+            per_job = reply if isinstance(reply, list) else [reply] * len(leases)
+            for lease, r in zip(leases, per_job, strict=True):
                 if isinstance(r, bytes | str):  # that job's error, caught in the script
                     r = redis.ResponseError(r.decode() if isinstance(r, bytes) else r)
                 self._take_reply(out, ended, lease, None, r)
+        replies = replies[len(deltas) :]
         for (lease, fin), reply in zip(sent, replies, strict=False):
             self._take_reply(out, ended, lease, fin, reply)
         for reply in replies[len(replies) - drains :] if drains else []:

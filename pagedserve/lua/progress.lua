@@ -1,32 +1,59 @@
--- A fenced progress update: token count and a delta event on the job's (capped) events stream.
--- The event is written first, so that an events key of the wrong type fails the call before it
--- changed anything.
--- KEYS: job hash, events stream
--- ARGV: fence, tokens generated, completion index, delta text, delta token ids JSON, maxlen,
---       end (the completion's tokens + characters published once this delta is, or 0)
--- With an end, a delta this lease already wrote (one of a pipeline sent again after its reply
--- was lost with the connection) is skipped: the job hash keeps 'pub:<index>' = '<fence>:<end>'.
--- Returns 1 written (or already) | 0 refused (lease lost).
-local job, events = KEYS[1], KEYS[2]
-if not holds(job, ARGV[1]) then
-  return 0
-end
-local done = 'pub:' .. ARGV[3]
-local upto = tonumber(ARGV[7] or '0')
-if upto > 0 then
-  local seen = redis.call('HGET', job, done)
-  if seen then
-    local fence, prev = string.match(seen, '^(%d+):(%d+)$')
-    if fence == ARGV[1] and tonumber(prev) >= upto then
-      return 1
+-- Fenced progress updates of one or more jobs, each in turn: per job its token count and a delta
+-- event on its (capped) events stream. One call carries a whole step's deltas on a single Redis;
+-- on a cluster, where jobs' keys lie in different slots, one call per job.
+-- KEYS: per job, its job hash and events stream (2 keys a job)
+-- ARGV: events maxlen, then per job 6 values: fence, tokens generated, completion index, delta
+--       text, delta token ids JSON, end (the completion's tokens + characters published once this
+--       delta is, or 0)
+-- With an end, a delta this lease already wrote (one of a pipeline sent again after its reply was
+-- lost with the connection) is skipped: the job hash keeps 'pub:<index>' = '<fence>:<end>'.
+-- The event is written before the hash, so that an events key of the wrong type fails the job's
+-- update before it changed anything.
+-- Returns one reply a job, in order: 1 written (or already) | 0 refused (lease lost) | the error
+-- Redis raised for that job (caught here: the other jobs' updates go on).
+local function progress_one(job, events, fence, tokens, index, text, ids, maxlen, upto_s)
+  if not holds(job, fence) then
+    return 0
+  end
+  local done = 'pub:' .. index
+  local upto = tonumber(upto_s or '0')
+  if upto > 0 then
+    local seen = redis.call('HGET', job, done)
+    if seen then
+      local f, prev = string.match(seen, '^(%d+):(%d+)$')
+      if f == fence and tonumber(prev) >= upto then
+        return 1
+      end
     end
   end
+  redis.call('XADD', events, 'MAXLEN', '~', maxlen, '*', 'type', 'delta', 'index', index,
+    'text', text, 'token_ids', ids, 'tokens', tokens)
+  redis.call('HSET', job, 'tokens_generated', tokens)
+  if upto > 0 then
+    redis.call('HSET', job, done, fence .. ':' .. upto_s)
+  end
+  redis.call('HSETNX', job, 'first_token_at', now_s())
+  return 1
 end
-redis.call('XADD', events, 'MAXLEN', '~', ARGV[6], '*', 'type', 'delta', 'index', ARGV[3],
-  'text', ARGV[4], 'token_ids', ARGV[5], 'tokens', ARGV[2])
-redis.call('HSET', job, 'tokens_generated', ARGV[2])
-if upto > 0 then
-  redis.call('HSET', job, done, ARGV[1] .. ':' .. ARGV[7])
+
+local maxlen = ARGV[1]
+
+-- The i-th job's update (its 2 keys and 6 values).
+local function progress_at(i)
+  local a = 1 + (i - 1) * 6
+  return progress_one(KEYS[2 * i - 1], KEYS[2 * i], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3],
+    ARGV[a + 4], ARGV[a + 5], maxlen, ARGV[a + 6])
 end
-redis.call('HSETNX', job, 'first_token_at', now_s())
-return 1
+
+local out = {}
+for i = 1, #KEYS / 2 do
+  local ok, res = pcall(progress_at, i)
+  if ok then
+    out[i] = res
+  elseif type(res) == 'table' and res.err then
+    out[i] = res.err
+  else
+    out[i] = tostring(res)
+  end
+end
+return out
