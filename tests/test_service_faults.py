@@ -150,8 +150,9 @@ def test_local_queue_fills_a_freed_seat_and_goes_back_on_sigterm(
     # are free and 1 job more may wait: 7 more long jobs are leased, the tenth stays queued.
 
     def leased_beyond_seats() -> bool:
-        # Count long jobs only: a heartbeat taken as the short ones end can list some of them
-        # beside the first longs (9 entries with only 6 longs leased: seen under -n 2).
+        # Count long jobs only: while some short ones still run, the worker holds them beside
+        # the longs that seats freed so far allow (3 shorts + 6 longs = 9 entries: seen under
+        # -n 2, SIGTERM came too early); 9 longs means every short ended, 8 run, 1 waits.
         jobs = client.store.workers().get("w", {}).get("jobs", [])
         return len({j["id"] for j in jobs} & set(longs)) == 9
 
