@@ -32,12 +32,17 @@ typedef float vwsf_u __attribute__((vector_size(PS_WIDE_LANES * 4), aligned(4)))
 
 static inline vwsf ps_wload(const float *p) { return *(const vwsf_u *)p; }
 static inline void ps_wstore(float *p, vwsf v) { *(vwsf_u *)p = v; }
-/* A loop, not x + (vwsf){0}: adding 0.0 is not an identity in IEEE arithmetic (-0 + 0 = +0),
- * so that form cost a scalar add before every broadcast in the value sums. */
+/* An initializer of x in every lane: GCC emits one broadcast (from memory where x is loaded
+ * there). Not x + (vwsf){0}: adding 0.0 is not an identity in IEEE arithmetic (-0 + 0 = +0),
+ * so that form cost a scalar add before every broadcast. Not a loop over the lanes either: GCC
+ * 12 turned that into a chain of masked broadcasts, one per lane group, with their mask loads
+ * (seen in the tiled prefill kernel's score loop, bench/README.md). */
 static inline vwsf ps_wsplat(float x) {
-    vwsf v;
-    for (int j = 0; j < PS_WIDE_LANES; ++j) v[j] = x;
-    return v;
+#if PS_WIDE_LANES == 16
+    return (vwsf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+#else
+    return (vwsf){x, x, x, x, x, x, x, x};
+#endif
 }
 
 /* The wide vector's lanes folded to 8 (lane j: the sum of lanes j, j + 8, ...). */
