@@ -40,6 +40,9 @@ FUSED_ENV = "PAGEDSERVE_FUSED_OPS"
 #: The projection GEMM of ``kernels/gemm.py``: auto / 1 / 0 (also off with ``DISABLE_ENV``).
 GEMM_ENV = "PAGEDSERVE_NATIVE_GEMM"
 CACHE_ENV = "PAGEDSERVE_KERNEL_CACHE"
+#: Prefill chunks through the tiled prefill kernel (``paged_prefill.h``); 0 runs their tokens as
+#: decode rows of the decode kernel, as before it (for A/Bs).
+TILED_PREFILL_ENV = "PAGEDSERVE_TILED_PREFILL"
 
 
 class _DecodeArgs(ctypes.Structure):
@@ -66,6 +69,45 @@ class _DecodeArgs(ctypes.Structure):
         ("out_row_stride", ctypes.c_int64),
         ("lse", ctypes.c_void_p),
     ]
+
+
+class _PrefillArgs(ctypes.Structure):
+    _fields_ = [
+        ("query", ctypes.c_void_p),
+        ("query_row_stride", ctypes.c_int64),
+        ("k_cache", ctypes.c_void_p),
+        ("v_cache", ctypes.c_void_p),
+        ("block_tables", ctypes.c_void_p),
+        ("block_table_stride", ctypes.c_int64),
+        ("starts", ctypes.c_void_p),
+        ("query_lens", ctypes.c_void_p),
+        ("seq_lens", ctypes.c_void_p),
+        ("seq_index", ctypes.c_void_p),
+        ("num_chunks", ctypes.c_int64),
+        ("num_heads", ctypes.c_int64),
+        ("num_kv_heads", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64),
+        ("block_size", ctypes.c_int64),
+        ("scale", ctypes.c_float),
+        ("num_threads", ctypes.c_int32),
+        ("out", ctypes.c_void_p),
+        ("out_row_stride", ctypes.c_int64),
+    ]
+
+
+@dataclass(frozen=True)
+class PrefillChunks:
+    """Prefill chunks of one step for :meth:`NativeDecode.prefill`, as int64 CPU tensors of
+    equal length ``n`` (built once per step, reused by every layer)."""
+
+    starts: torch.Tensor  # first row of the chunk in query / out
+    query_lens: torch.Tensor  # its tokens
+    seq_lens: torch.Tensor  # context length after the chunk
+    seq_index: torch.Tensor  # row of the block table
+
+    @property
+    def num_chunks(self) -> int:
+        return int(self.starts.shape[0])
 
 
 @dataclass(frozen=True)
@@ -99,6 +141,11 @@ class NativeDecode:
         self._lib.ps_decode_attention_f32.restype = ctypes.c_int
         self._lib.ps_read_blocks_f32.argtypes = [ctypes.POINTER(_DecodeArgs)]
         self._lib.ps_read_blocks_f32.restype = ctypes.c_double
+        self._lib.ps_prefill_attention_f32.argtypes = [ctypes.POINTER(_PrefillArgs)]
+        self._lib.ps_prefill_attention_f32.restype = ctypes.c_int
+        self._lib.ps_prefill_lanes.restype = ctypes.c_int
+        #: :meth:`prefill` takes head sizes that are multiples of this (its vector width)
+        self.prefill_lanes = int(self._lib.ps_prefill_lanes())
         limits = [ctypes.c_int64() for _ in range(4)]
         self._lib.ps_decode_limits(*(ctypes.byref(x) for x in limits))
         self.max_head_dim, self.max_heads, self.max_block_size, self.lanes = (
@@ -151,6 +198,57 @@ class NativeDecode:
         args = self._args(query, (k_cache, v_cache), block_tables, rows, scale, window, (out, lse))
         if self._lib.ps_decode_attention_f32(ctypes.byref(args)) != 0:
             raise ValueError("shapes outside the native decode kernel's limits")
+
+    def supports_prefill(self, query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        """:meth:`supports`, and a head size :meth:`prefill` takes."""
+        return self.supports(query, k_cache) and k_cache.shape[3] % self.prefill_lanes == 0
+
+    def prefill(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        chunks: PrefillChunks,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """Causal attention of every prefill chunk's tokens over its context in the cache (its
+        own keys written there first; no window, no shared prefix): writes their ``out`` rows.
+        Same preconditions as :meth:`decode`."""
+        if v_cache.shape != k_cache.shape or not v_cache.is_contiguous():
+            raise ValueError("v_cache must be a contiguous tensor shaped like k_cache")
+        if block_tables.dtype != torch.int32 or not block_tables.is_contiguous():
+            raise ValueError("block_tables must be a contiguous int32 tensor")
+        _, block_size, num_kv_heads, head_dim = k_cache.shape
+        if out.dtype != torch.float32 or out.stride(2) != 1 or out.stride(1) != head_dim:
+            raise ValueError("out must be float32 with contiguous heads")
+        args = _PrefillArgs(
+            query=query.data_ptr(),
+            query_row_stride=query.stride(0),
+            k_cache=k_cache.data_ptr(),
+            v_cache=v_cache.data_ptr(),
+            block_tables=block_tables.data_ptr(),
+            block_table_stride=block_tables.stride(0),
+            starts=chunks.starts.data_ptr(),
+            query_lens=chunks.query_lens.data_ptr(),
+            seq_lens=chunks.seq_lens.data_ptr(),
+            seq_index=chunks.seq_index.data_ptr(),
+            num_chunks=chunks.num_chunks,
+            num_heads=query.shape[1],
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            block_size=block_size,
+            scale=scale,
+            num_threads=torch.get_num_threads(),
+            out=out.data_ptr(),
+            out_row_stride=out.stride(0),
+        )
+        code = self._lib.ps_prefill_attention_f32(ctypes.byref(args))
+        if code == -2:
+            raise MemoryError("the prefill kernel could not allocate its key buffer")
+        if code != 0:
+            raise ValueError("shapes outside the native prefill kernel's limits")
 
     def read_blocks(
         self,
@@ -318,7 +416,7 @@ def load() -> NativeDecode | None:
     return _LOADED
 
 
-__all__ = ["DecodeRows", "NativeDecode", "build", "load", "switched_off"]
+__all__ = ["DecodeRows", "NativeDecode", "PrefillChunks", "build", "load", "switched_off"]
 
 
 if __name__ == "__main__":  # pragma: no cover - `python -m kernels.native`: prebuild

@@ -25,8 +25,11 @@ while it is still in the CPU's caches:
   strided views of it while the gathered bytes are still in L2/L3. Measured on 2 EPYC cores,
   chunking alone halves the time compared with gathering the whole batch first.
 * prefill chunks (``query_len > 1``) of at most ``NATIVE_PREFILL_MAX_LEN`` tokens of context, not
-  in a shared-prefix group and without a window, join the C kernel's call: each query token is
-  a decode row over the cache (its keys are written before attention), a prompt at a time.
+  in a shared-prefix group and without a window, run in C over the cache (their keys are
+  written before attention): in the tiled prefill kernel (query tiles against key tiles, like
+  a small GEMM), or, where its vector width does not divide the head size or
+  ``PAGEDSERVE_TILED_PREFILL=0``, as decode rows of the decode kernel's call, a prompt at a
+  time.
   The rest run one by one in torch: straight on the step's fresh keys/values with a causal SDPA
   when nothing is cached before the chunk, else on the context gathered from the cache (from the
   end of a shared prefix, or the window's first block).
@@ -82,6 +85,7 @@ def _make_decode_plan(
     cdt: torch.dtype,
     shared_prefix: bool = True,
     native: bool = False,
+    tiled_prefill: bool = False,
 ) -> DecodePlan:
     rows = decode_rows(plan, meta, block_size, window)
     shared: list[SharedGroup] = []
@@ -100,7 +104,8 @@ def _make_decode_plan(
                 work.native = True
                 in_kernel.append(pre)
         if rows or in_kernel:
-            return DecodePlan(shared, [], prefill, make_native(rows, meta, in_kernel))
+            native_work = make_native(rows, meta, in_kernel, tiled_prefill)
+            return DecodePlan(shared, [], prefill, native_work)
     rows.sort(key=lambda r: r.num_blocks)
     table = meta.block_tables.to(torch.long)
     chunks = [
@@ -121,11 +126,14 @@ class TorchBackend:
         shared_prefix: bool = True,
         native: bool | None = None,
         kernel: NativeDecode | None = None,
+        tiled_prefill: bool | None = None,
     ) -> None:
         """``native``: decode rows through the C kernel (:mod:`kernels.native`) where it
         covers the dtype and shapes; None uses it when it builds, True requires it, False keeps
         every step in torch. ``kernel``: that loaded build instead of this machine's default
-        (the tests run another build through it)."""
+        (the tests run another build through it). ``tiled_prefill``: the prefill chunks that
+        join the C kernel go to its tiled prefill kernel (where the head size allows) rather
+        than one decode row per token; None reads ``PAGEDSERVE_TILED_PREFILL`` (default on)."""
         self._chunk_bytes = chunk_bytes
         self._shared_prefix = shared_prefix  # False: every decode gathers its whole context
         self._native: NativeDecode | None = kernel
@@ -133,6 +141,9 @@ class TorchBackend:
             self._native = native_kernel.load()
             if native and self._native is None:
                 raise RuntimeError("the native CPU decode kernel could not be built or loaded")
+        if tiled_prefill is None:
+            tiled_prefill = not native_kernel.switched_off(native_kernel.TILED_PREFILL_ENV)
+        self._tiled_prefill = tiled_prefill
         self._plan_meta: AttentionMetadata | None = None
         self._plan_block_size = 0
         self._plan = StepPlan()
@@ -182,6 +193,12 @@ class TorchBackend:
         decode = plan.decode.get(key)
         if decode is None:
             native = self._native is not None and self._native.supports(query, k_cache)
+            tiled = (
+                native
+                and self._tiled_prefill
+                and self._native is not None
+                and self._native.supports_prefill(query, k_cache)
+            )
             decode = _make_decode_plan(
                 plan,
                 meta,
@@ -192,6 +209,7 @@ class TorchBackend:
                 cdt,
                 self._shared_prefix,
                 native,
+                tiled,
             )
             plan.decode[key] = decode
         return decode
@@ -248,8 +266,15 @@ class TorchBackend:
         out: torch.Tensor,
         shared: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> None:
-        """Every decode row in one C call writing ``out``; then the shared-prefix merges."""
+        """Every decode row in one C call writing ``out`` (and the prefill chunks in one
+        more); then the shared-prefix merges."""
         assert self._native is not None
+        if work.prefill is not None:
+            self._native.prefill(
+                query, k_cache, v_cache, work.block_tables, work.prefill, scale, out
+            )
+        if work.rows.num_rows == 0:
+            return
         lse = torch.empty(work.rows.num_rows, query.shape[1], dtype=torch.float32)
         self._native.decode(
             query, k_cache, v_cache, work.block_tables, work.rows, scale, window, out, lse

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.metadata import AttentionMetadata
-from kernels.native import DecodeRows
+from kernels.native import DecodeRows, PrefillChunks
 
 # Bytes of gathered K+V per decode chunk: small enough to stay in L2/L3 between the gather and
 # the attention that reads it, large enough to amortise per-op overhead.
@@ -60,10 +60,13 @@ class SharedGroup:
     num_blocks: int
 
 
-# Prefill chunks whose context is at most this long run in the C decode kernel, each query token
-# a decode row over the (already written) cache: against torch's causal SDPA on a Zen 5 EPYC
-# (2 threads; 8/4 and 9/3 heads, head_dim 64) 1.4-2.8x at 16-96 tokens, 1.2-1.6x at 264,
-# 1.0-1.6x at 512, 0.7-1.0x at 1024 (one query per pass over the keys: it does not tile queries).
+# Prefill chunks whose context is at most this long run in the C kernels over the (already
+# written) cache: the tiled prefill kernel (kernels/csrc/paged_prefill.h), or where it does not
+# apply each query token a decode row of the decode kernel. The limit was set for the latter
+# against torch's causal SDPA on a Zen 5 EPYC (2 threads; 8/4 and 9/3 heads, head_dim 64):
+# 1.4-2.8x at 16-96 tokens, 1.2-1.6x at 264, 1.0-1.6x at 512, 0.7-1.0x at 1024 (one query per
+# pass over the keys). The tiled kernel ran 1.7-1.8x the decode rows at 768 (Zen 4); longer
+# prompts against SDPA were not measured, so the limit stays.
 NATIVE_PREFILL_MAX_LEN = 768
 
 
@@ -88,11 +91,13 @@ class NativeMerge:
 
 @dataclass
 class NativeWork:
-    """Every decode row of the step for the C kernel, and the rows to merge with a prefix."""
+    """Every decode row of the step for the C kernel, the rows to merge with a prefix, and
+    the prefill chunks for the tiled prefill kernel (None: none, or they are decode rows)."""
 
     rows: DecodeRows
     block_tables: torch.Tensor  # int32, contiguous
     merge: NativeMerge | None
+    prefill: PrefillChunks | None = None
 
 
 @dataclass
@@ -280,11 +285,15 @@ def prefill_work(
 
 
 def make_native(
-    rows: list[DecodeRow], meta: AttentionMetadata, prefill: list[Prefill] | None = None
+    rows: list[DecodeRow],
+    meta: AttentionMetadata,
+    prefill: list[Prefill] | None = None,
+    tiled_prefill: bool = False,
 ) -> NativeWork:
     """Rows longest first (the kernel's threads take them in order), merges by LSE after.
-    The ``prefill`` chunks' rows follow (:func:`prefill_rows`), a prompt at a time: its keys
-    stay in the core's L2 while its rows run."""
+    The ``prefill`` chunks go to the tiled prefill kernel (``tiled_prefill``), else their
+    tokens follow as decode rows (:func:`prefill_rows`), a prompt at a time: its keys stay in
+    the core's L2 while its rows run."""
     rows = sorted(rows, key=lambda r: -r.num_blocks)
     device = meta.block_tables.device
     kernel_rows = DecodeRows(
@@ -293,7 +302,15 @@ def make_native(
         first_block=long_tensor([r.first_block for r in rows], device),
         seq_lens=long_tensor([r.seq_len for r in rows], device),
     )
-    if prefill:
+    chunks = None
+    if prefill and tiled_prefill:
+        chunks = PrefillChunks(
+            starts=long_tensor([p.start for p in prefill], device),
+            query_lens=long_tensor([p.query_len for p in prefill], device),
+            seq_lens=long_tensor([p.seq_len for p in prefill], device),
+            seq_index=long_tensor([p.seq_index for p in prefill], device),
+        )
+    elif prefill:
         kernel_rows = kernel_rows.then(prefill_rows(prefill, device))
     merged = [i for i, r in enumerate(rows) if r.shared_slot >= 0]
     tables = meta.block_tables
@@ -306,4 +323,4 @@ def make_native(
             rows=long_tensor(merged, device),
             slots=slots_index([rows[i].shared_slot for i in merged], device),
         )
-    return NativeWork(kernel_rows, tables, merge)
+    return NativeWork(kernel_rows, tables, merge, chunks)

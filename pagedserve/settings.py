@@ -131,6 +131,11 @@ NATIVE_GEMM = Setting(
     "auto",
     "projection GEMM in C: auto or 1 (wherever it builds) or 0 (oneDNN)",
 )
+TILED_PREFILL = Setting(
+    "PAGEDSERVE_TILED_PREFILL",
+    "1",
+    "0: prompt tokens as decode rows of the C decode kernel, not its tiled prefill kernel",
+)
 KERNEL_CACHE = Setting(
     "PAGEDSERVE_KERNEL_CACHE",
     "",
@@ -157,6 +162,7 @@ SETTINGS: tuple[Setting, ...] = (
     NATIVE_KERNELS,
     FUSED_OPS,
     NATIVE_GEMM,
+    TILED_PREFILL,
     KERNEL_CACHE,
 )
 

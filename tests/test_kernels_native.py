@@ -120,30 +120,107 @@ def test_narrow_vector_build_against_reference(
 
 
 @needs_compiler
+@pytest.mark.parametrize("tiled", [True, False])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(8, 4), (9, 3)])
-def test_prefill_chunks_run_as_kernel_rows(num_heads: int, num_kv_heads: int) -> None:
+def test_prefill_chunks_run_in_the_kernel(num_heads: int, num_kv_heads: int, tiled: bool) -> None:
     """Prefill chunks (fresh prompts, and chunks after cached context) up to
-    NATIVE_PREFILL_MAX_LEN go through the kernel, one decode row per query token, beside the
-    decode rows; a longer one and a windowed step stay in torch. All against the reference."""
+    NATIVE_PREFILL_MAX_LEN go through the C kernels beside the decode rows: the tiled prefill
+    kernel, or (``tiled_prefill=False``) one decode row per query token; a longer one and a
+    windowed step stay in torch. All against the reference."""
     limit = torch_plan.NATIVE_PREFILL_MAX_LEN
     q_lens, s_lens = [1, 37, 1, 200, 90, 5, 300], [40, 37, 700, 200, 250, limit, limit + 300]
     batch = make_batch(q_lens, s_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
                        head_dim=64, block_size=16)  # fmt: skip
-    backend = TorchBackend(native=True)
+    backend = TorchBackend(native=True, tiled_prefill=tiled)
     run_and_compare(batch, backend=backend)
     (plan,) = backend._plan.decode.values()
     assert [w.native for w in plan.prefill] == [True, True, True, True, False]
-    assert plan.native is not None and plan.native.rows.num_rows == 2 + 37 + 200 + 90 + 5
+    assert plan.native is not None
+    in_kernel = 37 + 200 + 90 + 5
+    if tiled:
+        assert plan.native.rows.num_rows == 2 and plan.native.prefill is not None
+        assert plan.native.prefill.query_lens.tolist() == [37, 200, 90, 5]
+    else:
+        assert plan.native.rows.num_rows == 2 + in_kernel and plan.native.prefill is None
     windowed = make_batch(q_lens, s_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
                           head_dim=64, block_size=16)  # fmt: skip
     run_and_compare(windowed, sliding_window=100, backend=backend)
     (plan,) = backend._plan.decode.values()
     assert not any(w.native for w in plan.prefill) and plan.native.rows.num_rows == 2
+    assert plan.native.prefill is None
     only_prefill = make_batch([37, 200], [37, 250], num_heads=num_heads,
                               num_kv_heads=num_kv_heads, head_dim=64, block_size=16)  # fmt: skip
     run_and_compare(only_prefill, backend=backend)  # a step with no decode row at all
     (plan,) = backend._plan.decode.values()
-    assert plan.native is not None and plan.native.rows.num_rows == 237
+    assert plan.native is not None
+    assert plan.native.rows.num_rows == (0 if tiled else 237)
+
+
+# Prefill chunks for the tiled kernel: fresh prompts of 1-300 tokens (spans of 64 tokens, query
+# tiles cut across tokens and heads), chunks after cached context, a chunk ending on a block
+# boundary, one decode row beside them.
+PREFILL_STEP = ([1, 37, 64, 65, 300, 16, 9, 120], [40, 37, 64, 65, 300, 32, 409, 130])
+
+
+def prefill_plan(backend: TorchBackend) -> torch_plan.NativeWork:
+    (plan,) = backend._plan.decode.values()
+    assert plan.native is not None
+    return plan.native
+
+
+@needs_compiler
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), SHAPES)
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_tiled_prefill_against_reference(
+    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    """Every head shape and block size; a head size the vectors do not divide (40 with the
+    16-float build) keeps its prefill tokens as decode rows, also correct."""
+    q_lens, s_lens = PREFILL_STEP
+    batch = make_batch(q_lens, s_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                       head_dim=head_dim, block_size=block_size)  # fmt: skip
+    backend = TorchBackend(native=True, tiled_prefill=True)
+    run_and_compare(batch, backend=backend)
+    lib = native.load()
+    assert lib is not None
+    work = prefill_plan(backend)
+    assert (work.prefill is not None) == (head_dim % lib.prefill_lanes == 0)
+
+
+@needs_compiler
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"), [(8, 4, 64), (9, 3, 64), (14, 2, 64), (8, 1, 96)]
+)
+def test_tiled_prefill_narrow_vector_build(
+    num_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
+    """The 8-float build of the prefill kernel (an AVX2 machine's) against the reference."""
+    lib = native.build(flags=[*native.FLAGS, "-DPS_WIDE_LANES=8"])
+    kernel = native.NativeDecode(lib)
+    assert kernel.prefill_lanes == 8
+    q_lens, s_lens = PREFILL_STEP
+    batch = make_batch(q_lens, s_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                       head_dim=head_dim, block_size=16)  # fmt: skip
+    backend = TorchBackend(native=True, kernel=kernel, tiled_prefill=True)
+    run_and_compare(batch, backend=backend)
+    assert prefill_plan(backend).prefill is not None
+
+
+@needs_compiler
+def test_tiled_prefill_large_scores_and_env_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scores hundreds apart underflow cleanly (no inf/nan) in the tiled kernel; and
+    PAGEDSERVE_TILED_PREFILL=0 sends prefill tokens back to the decode kernel's rows."""
+    batch = make_batch([50, 1, 130], [50, 70, 200], num_heads=4, num_kv_heads=2, head_dim=32,
+                       block_size=16)  # fmt: skip
+    batch.query.mul_(40.0)
+    backend = TorchBackend(native=True)
+    run_and_compare(batch, backend=backend, atol=1e-4, rtol=1e-4)
+    assert prefill_plan(backend).prefill is not None
+    monkeypatch.setenv(native.TILED_PREFILL_ENV, "0")
+    off = TorchBackend(native=True)
+    run_and_compare(make_batch([50, 1], [50, 70], num_heads=4, num_kv_heads=2, head_dim=32,
+                               block_size=16), backend=off)  # fmt: skip
+    assert prefill_plan(off).prefill is None and prefill_plan(off).rows.num_rows == 51
 
 
 @needs_compiler

@@ -409,3 +409,6 @@ double ps_read_blocks_f32(const ps_decode_args *a) {
     }
     return total;
 }
+
+/* Prefill chunks, tiled (paged_prefill.h): same library, same shape limits. */
+#include "paged_prefill.h"
