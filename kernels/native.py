@@ -45,14 +45,21 @@ CACHE_ENV = "PAGEDSERVE_KERNEL_CACHE"
 TILED_PREFILL_ENV = "PAGEDSERVE_TILED_PREFILL"
 
 
+#: The fields both C argument structs begin with, in their order (ps_decode_args and
+#: ps_prefill_args in kernels/csrc).
+_INPUT_FIELDS = [
+    ("query", ctypes.c_void_p),
+    ("query_row_stride", ctypes.c_int64),
+    ("k_cache", ctypes.c_void_p),
+    ("v_cache", ctypes.c_void_p),
+    ("block_tables", ctypes.c_void_p),
+    ("block_table_stride", ctypes.c_int64),
+]
+
+
 class _DecodeArgs(ctypes.Structure):
     _fields_ = [
-        ("query", ctypes.c_void_p),
-        ("query_row_stride", ctypes.c_int64),
-        ("k_cache", ctypes.c_void_p),
-        ("v_cache", ctypes.c_void_p),
-        ("block_tables", ctypes.c_void_p),
-        ("block_table_stride", ctypes.c_int64),
+        *_INPUT_FIELDS,
         ("token_rows", ctypes.c_void_p),
         ("seq_index", ctypes.c_void_p),
         ("first_block", ctypes.c_void_p),
@@ -73,12 +80,7 @@ class _DecodeArgs(ctypes.Structure):
 
 class _PrefillArgs(ctypes.Structure):
     _fields_ = [
-        ("query", ctypes.c_void_p),
-        ("query_row_stride", ctypes.c_int64),
-        ("k_cache", ctypes.c_void_p),
-        ("v_cache", ctypes.c_void_p),
-        ("block_tables", ctypes.c_void_p),
-        ("block_table_stride", ctypes.c_int64),
+        *_INPUT_FIELDS,
         ("starts", ctypes.c_void_p),
         ("query_lens", ctypes.c_void_p),
         ("seq_lens", ctypes.c_void_p),
@@ -188,13 +190,7 @@ class NativeDecode:
         The caller guarantees :meth:`supports`, an int32 contiguous ``block_tables`` and
         ``v_cache`` shaped like ``k_cache``; the tensors must stay alive during the call.
         """
-        head_dim = k_cache.shape[3]
-        if v_cache.shape != k_cache.shape or not v_cache.is_contiguous():
-            raise ValueError("v_cache must be a contiguous tensor shaped like k_cache")
-        if block_tables.dtype != torch.int32 or not block_tables.is_contiguous():
-            raise ValueError("block_tables must be a contiguous int32 tensor")
-        if out.dtype != torch.float32 or out.stride(2) != 1 or out.stride(1) != head_dim:
-            raise ValueError("out must be float32 with contiguous heads")
+        self._check(k_cache, v_cache, block_tables, out)
         args = self._args(query, (k_cache, v_cache), block_tables, rows, scale, window, (out, lse))
         if self._lib.ps_decode_attention_f32(ctypes.byref(args)) != 0:
             raise ValueError("shapes outside the native decode kernel's limits")
@@ -216,33 +212,15 @@ class NativeDecode:
         """Causal attention of every prefill chunk's tokens over its context in the cache (its
         own keys written there first; no window, no shared prefix): writes their ``out`` rows.
         Same preconditions as :meth:`decode`."""
-        if v_cache.shape != k_cache.shape or not v_cache.is_contiguous():
-            raise ValueError("v_cache must be a contiguous tensor shaped like k_cache")
-        if block_tables.dtype != torch.int32 or not block_tables.is_contiguous():
-            raise ValueError("block_tables must be a contiguous int32 tensor")
-        _, block_size, num_kv_heads, head_dim = k_cache.shape
-        if out.dtype != torch.float32 or out.stride(2) != 1 or out.stride(1) != head_dim:
-            raise ValueError("out must be float32 with contiguous heads")
+        self._check(k_cache, v_cache, block_tables, out)
         args = _PrefillArgs(
-            query=query.data_ptr(),
-            query_row_stride=query.stride(0),
-            k_cache=k_cache.data_ptr(),
-            v_cache=v_cache.data_ptr(),
-            block_tables=block_tables.data_ptr(),
-            block_table_stride=block_tables.stride(0),
+            **self._common(query, k_cache, v_cache, block_tables, out),
             starts=chunks.starts.data_ptr(),
             query_lens=chunks.query_lens.data_ptr(),
             seq_lens=chunks.seq_lens.data_ptr(),
             seq_index=chunks.seq_index.data_ptr(),
             num_chunks=chunks.num_chunks,
-            num_heads=query.shape[1],
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            block_size=block_size,
             scale=scale,
-            num_threads=torch.get_num_threads(),
-            out=out.data_ptr(),
-            out_row_stride=out.stride(0),
         )
         code = self._lib.ps_prefill_attention_f32(ctypes.byref(args))
         if code == -2:
@@ -278,30 +256,55 @@ class NativeDecode:
     ) -> _DecodeArgs:
         """The C call's argument struct (``caches``: keys, values; ``outputs``: out, lse)."""
         (k_cache, v_cache), (out, lse) = caches, outputs
-        _, block_size, num_kv_heads, head_dim = k_cache.shape
         return _DecodeArgs(
-            query=query.data_ptr(),
-            query_row_stride=query.stride(0),
-            k_cache=k_cache.data_ptr(),
-            v_cache=v_cache.data_ptr(),
-            block_tables=block_tables.data_ptr(),
-            block_table_stride=block_tables.stride(0),
+            **NativeDecode._common(query, k_cache, v_cache, block_tables, out),
             token_rows=rows.token_rows.data_ptr(),
             seq_index=rows.seq_index.data_ptr(),
             first_block=rows.first_block.data_ptr(),
             seq_lens=rows.seq_lens.data_ptr(),
             num_rows=rows.num_rows,
-            num_heads=query.shape[1],
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            block_size=block_size,
             window=window or 0,
             scale=scale,
-            num_threads=torch.get_num_threads(),
-            out=out.data_ptr(),
-            out_row_stride=out.stride(0),
             lse=lse.data_ptr(),
         )
+
+    @staticmethod
+    def _check(
+        k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        """What :meth:`decode` and :meth:`prefill` need beyond :meth:`supports`."""
+        if v_cache.shape != k_cache.shape or not v_cache.is_contiguous():
+            raise ValueError("v_cache must be a contiguous tensor shaped like k_cache")
+        if block_tables.dtype != torch.int32 or not block_tables.is_contiguous():
+            raise ValueError("block_tables must be a contiguous int32 tensor")
+        if out.dtype != torch.float32 or out.stride(2) != 1 or out.stride(1) != k_cache.shape[3]:
+            raise ValueError("out must be float32 with contiguous heads")
+
+    @staticmethod
+    def _common(
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        out: torch.Tensor,
+    ) -> dict[str, int]:
+        """The fields both C argument structs share (pointers, strides, shapes, threads)."""
+        _, block_size, num_kv_heads, head_dim = k_cache.shape
+        return {
+            "query": query.data_ptr(),
+            "query_row_stride": query.stride(0),
+            "k_cache": k_cache.data_ptr(),
+            "v_cache": v_cache.data_ptr(),
+            "block_tables": block_tables.data_ptr(),
+            "block_table_stride": block_tables.stride(0),
+            "num_heads": query.shape[1],
+            "num_kv_heads": num_kv_heads,
+            "head_dim": head_dim,
+            "block_size": block_size,
+            "num_threads": torch.get_num_threads(),
+            "out": out.data_ptr(),
+            "out_row_stride": out.stride(0),
+        }
 
 
 def _private(path: Path) -> bool:
