@@ -24,12 +24,12 @@ while it is still in the CPU's caches:
   allocations), and runs one batched CPU flash attention (native GQA, additive length mask) on
   strided views of it while the gathered bytes are still in L2/L3. Measured on 2 EPYC cores,
   chunking alone halves the time compared with gathering the whole batch first.
-* prefill chunks (``query_len > 1``) of at most ``NATIVE_PREFILL_MAX_LEN`` tokens of context, not
-  in a shared-prefix group and without a window, run in C over the cache (their keys are
-  written before attention): in the tiled prefill kernel (query tiles against key tiles, like
-  a small GEMM), or, where its vector width does not divide the head size or
-  ``PAGEDSERVE_TILED_PREFILL=0``, as decode rows of the decode kernel's call, a prompt at a
-  time.
+* prefill chunks (``query_len > 1``) not in a shared-prefix group and without a window run in C
+  over the cache (their keys are written before attention): up to ``TILED_PREFILL_MAX_LEN``
+  tokens of context in the tiled prefill kernel (query tiles against key tiles, like a small
+  GEMM), or, where its vector width does not divide the head size or
+  ``PAGEDSERVE_TILED_PREFILL=0``, up to ``NATIVE_PREFILL_MAX_LEN`` as decode rows of the decode
+  kernel's call, a prompt at a time.
   The rest run one by one in torch: straight on the step's fresh keys/values with a causal SDPA
   when nothing is cached before the chunk, else on the context gathered from the cache (from the
   end of a shared prefix, or the window's first block).
@@ -59,6 +59,7 @@ from kernels.torch_ops import Workspace, decode_chunk, prefill_chunk
 from kernels.torch_plan import (
     CHUNK_BYTES,
     NATIVE_PREFILL_MAX_LEN,
+    TILED_PREFILL_MAX_LEN,
     DecodePlan,
     Merge,
     NativeWork,
@@ -99,8 +100,9 @@ def _make_decode_plan(
     ]
     if native:
         in_kernel: list[Prefill] = []
+        limit = TILED_PREFILL_MAX_LEN if tiled_prefill else NATIVE_PREFILL_MAX_LEN
         for pre, work, sh in zip(plan.prefill, prefill, prefill_shared, strict=True):
-            if sh is None and window is None and pre.seq_len <= NATIVE_PREFILL_MAX_LEN:
+            if sh is None and window is None and pre.seq_len <= limit:
                 work.native = True
                 in_kernel.append(pre)
         if rows or in_kernel:

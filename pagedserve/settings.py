@@ -134,7 +134,7 @@ NATIVE_GEMM = Setting(
 TILED_PREFILL = Setting(
     "PAGEDSERVE_TILED_PREFILL",
     "1",
-    "0: prompt tokens as decode rows of the C decode kernel, not its tiled prefill kernel",
+    "0: prompt tokens as decode rows of the C decode kernel, not the tiled prefill kernel",
 )
 KERNEL_CACHE = Setting(
     "PAGEDSERVE_KERNEL_CACHE",

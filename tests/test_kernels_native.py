@@ -123,11 +123,11 @@ def test_narrow_vector_build_against_reference(
 @pytest.mark.parametrize("tiled", [True, False])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(8, 4), (9, 3)])
 def test_prefill_chunks_run_in_the_kernel(num_heads: int, num_kv_heads: int, tiled: bool) -> None:
-    """Prefill chunks (fresh prompts, and chunks after cached context) up to
-    NATIVE_PREFILL_MAX_LEN go through the C kernels beside the decode rows: the tiled prefill
-    kernel, or (``tiled_prefill=False``) one decode row per query token; a longer one and a
-    windowed step stay in torch. All against the reference."""
-    limit = torch_plan.NATIVE_PREFILL_MAX_LEN
+    """Prefill chunks (fresh prompts, and chunks after cached context) go through the C kernels
+    beside the decode rows: the tiled prefill kernel up to TILED_PREFILL_MAX_LEN, or
+    (``tiled_prefill=False``) one decode row per query token up to NATIVE_PREFILL_MAX_LEN; a
+    longer one and a windowed step stay in torch. All against the reference."""
+    limit = torch_plan.TILED_PREFILL_MAX_LEN if tiled else torch_plan.NATIVE_PREFILL_MAX_LEN
     q_lens, s_lens = [1, 37, 1, 200, 90, 5, 300], [40, 37, 700, 200, 250, limit, limit + 300]
     batch = make_batch(q_lens, s_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
                        head_dim=64, block_size=16)  # fmt: skip
