@@ -194,12 +194,13 @@ class TorchBackend:
         key = (window, token_bytes, cdt)
         decode = plan.decode.get(key)
         if decode is None:
-            native = self._native is not None and self._native.supports(query, k_cache)
-            tiled = (
+            kernel = self._native
+            native = kernel is not None and kernel.supports(query, k_cache)
+            tiled = (  # `kernel is not None` again only for the type checker
                 native
                 and self._tiled_prefill
-                and self._native is not None
-                and self._native.supports_prefill(query, k_cache)
+                and kernel is not None
+                and kernel.supports_prefill(query, k_cache)
             )
             decode = _make_decode_plan(
                 plan,

@@ -60,18 +60,18 @@ class SharedGroup:
     num_blocks: int
 
 
-# Prefill chunks whose context is at most this long run in the C kernels over the (already
-# written) cache: the tiled prefill kernel (kernels/csrc/paged_prefill.h), or where it does not
-# apply each query token a decode row of the decode kernel. The limit was set for the latter
-# against torch's causal SDPA on a Zen 5 EPYC (2 threads; 8/4 and 9/3 heads, head_dim 64):
-# 1.4-2.8x at 16-96 tokens, 1.2-1.6x at 264, 1.0-1.6x at 512, 0.7-1.0x at 1024 (one query per
-# pass over the keys). Longer prompts go to torch, except where the tiled kernel takes them
-# (next): it ran 1.7-1.8x the decode rows at 768 (Zen 4).
+# Where the tiled prefill kernel does not apply (see next), prefill chunks whose context is at
+# most this long run in the C decode kernel, each query token a decode row over the (already
+# written) cache: against torch's causal SDPA on a Zen 5 EPYC (2 threads; 8/4 and 9/3 heads,
+# head_dim 64) 1.4-2.8x at 16-96 tokens, 1.2-1.6x at 264, 1.0-1.6x at 512, 0.7-1.0x at 1024
+# (one query per pass over the keys: it does not tile queries).
 NATIVE_PREFILL_MAX_LEN = 768
-# The limit where the tiled prefill kernel takes the chunk: against torch's path for longer
-# chunks (SDPA over the gathered context; Zen 4 EPYC, 2 threads, one process, medians of 9) it
-# ran 1.41-1.58x at a 1024-token prompt, 1.12-1.54x at 2048, 1.33-1.59x for 512 tokens after
-# 1024 cached (9/3, 8/4, 14/2 heads of 64). Longer contexts were not measured: they stay there.
+# Chunks of at most this much context run in the tiled prefill kernel
+# (kernels/csrc/paged_prefill.h; 1.7-1.8x the decode rows at 768 on a Zen 4). Against torch's
+# path for longer chunks (SDPA over the gathered context; Zen 4 EPYC, 2 threads, one process,
+# medians of 9) it ran 1.41-1.58x at a 1024-token prompt, 1.12-1.54x at 2048, 1.33-1.59x for
+# 512 tokens after 1024 cached (9/3, 8/4, 14/2 heads of 64). Longer contexts were not measured:
+# they stay in torch.
 TILED_PREFILL_MAX_LEN = 2048
 
 

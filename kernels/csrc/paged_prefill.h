@@ -58,25 +58,6 @@ typedef struct {
 #define PS_PF_NG 6 /* at most this many query vectors per value pass */
 #define PS_PF_SPAN 64 /* query tokens per task (a task transposes its keys once) */
 #define PS_PF_KB 64   /* keys per online-softmax update */
-typedef int32_t vwsi __attribute__((vector_size(PS_WIDE_LANES * 4)));
-
-/* exp of every lane, x <= 0 (ps_exp8 on each 8-float half) */
-static inline vwsf ps_wexp(vwsf x) {
-#if PS_WIDE_LANES == 16
-    const v8sf lo = ps_exp8(__builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7));
-    const v8sf hi = ps_exp8(__builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15));
-    return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-#else
-    return ps_exp8(x);
-#endif
-}
-
-static inline float ps_wsum(vwsf x) {
-    const v8sf f = ps_fold8(x);
-    return ((f[0] + f[1]) + (f[2] + f[3])) + ((f[4] + f[5]) + (f[6] + f[7]));
-}
-
-
 /* Keys [0, kmax) of KV head g into kt: tile j holds keys j*KT .. j*KT+KT-1 as [D][KT]
  * (zeros past kmax: those are masked anyway). */
 static inline void ps_pf_transpose_keys(const ps_prefill_args *a, const int32_t *table,
@@ -115,29 +96,6 @@ static inline __attribute__((always_inline)) void ps_pf_values(
     }
     for (int i = 0; i < nv; ++i)
         for (int64_t j = 0; j < DV; ++j) ps_wstore(&o[i][j * PS_WIDE_LANES], acc[i][j]);
-}
-
-/* Lane-wise maxima (C has no vector ?:, hence the masks). */
-static inline vwsf ps_wvmax(vwsf a, vwsf b) {
-    const vwsi gt = a > b;
-    return (vwsf)(((vwsi)a & gt) | ((vwsi)b & ~gt));
-}
-static inline v8sf ps_v8max(v8sf a, v8sf b) {
-    const v8si gt = a > b;
-    return (v8sf)(((v8si)a & gt) | ((v8si)b & ~gt));
-}
-
-/* The largest lane of a wide vector. */
-static inline float ps_wmax(vwsf x) {
-#if PS_WIDE_LANES == 16
-    v8sf f = ps_v8max(__builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7),
-                      __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15));
-#else
-    v8sf f = x;
-#endif
-    f = ps_v8max(f, __builtin_shufflevector(f, f, 4, 5, 6, 7, 0, 1, 2, 3));
-    f = ps_v8max(f, __builtin_shufflevector(f, f, 2, 3, 0, 1, 6, 7, 4, 5));
-    return f[0] > f[1] ? f[0] : f[1];
 }
 
 /* One tile of nv query vectors (consecutive (token, head) pairs of KV head g, token-major)
@@ -295,13 +253,12 @@ int ps_prefill_attention_f32(const ps_prefill_args *a) {
     const int64_t tasks = spans * a->num_kv_heads;
     const size_t kt_bytes =
         (size_t)((kmax + PS_KT - 1) / PS_KT) * PS_KT * a->head_dim * sizeof(float);
-    int64_t taken = 0, failed = 0;
+    int64_t taken = 0, done = 0;
 #pragma omp parallel num_threads(a->num_threads)
     {
+        /* a thread that gets no buffer takes no task; the others take them all */
         float *kt = aligned_alloc(64, (kt_bytes + 63) / 64 * 64);
-        if (!kt) {
-            __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
-        } else {
+        if (kt) {
             for (int64_t task = __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED); task < tasks;
                  task = __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED)) {
                 int64_t span = task / a->num_kv_heads;
@@ -317,11 +274,12 @@ int ps_prefill_attention_f32(const ps_prefill_args *a) {
                 const int64_t t1 = t0 + PS_PF_SPAN < a->query_lens[c] ? t0 + PS_PF_SPAN
                                                                        : a->query_lens[c];
                 ps_pf_task(a, c, g, t0, t1, kt);
+                __atomic_fetch_add(&done, 1, __ATOMIC_RELAXED);
             }
             free(kt);
         }
     }
-    return failed ? -2 : 0;
+    return done == tasks ? 0 : -2; /* -2: no thread could allocate its key buffer */
 }
 
 #endif

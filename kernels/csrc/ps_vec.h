@@ -1,7 +1,8 @@
 /*
- * Vector helpers shared by the CPU kernels (paged_decode.c, fused_ops.c): GCC vector types of
- * 8 floats (the compiler picks AVX2 or AVX-512 code for them under -march=native), a splat, and
- * a vectorised exp. Included, not compiled on its own; kernels/native.py hashes it into every
+ * Vector helpers shared by the CPU kernels (paged_decode.c with paged_prefill.h, fused_ops.c,
+ * gemm.c): GCC vector types of 8 floats and of the build's widest vector (the compiler picks
+ * AVX2 or AVX-512 code for them under -march=native), splats, a vectorised exp, lane sums and
+ * maxima. Included, not compiled on its own; kernels/native.py hashes it into every
  * kernel's build key.
  */
 #ifndef PS_VEC_H
@@ -75,6 +76,49 @@ static inline v8sf ps_exp8(v8sf x) {
     y = y * (r * r) + r + ps_splat(1.0f);
     v8si bits = (v8si)t - (v8si)magic; /* n as an integer */
     return (v8sf)((v8si)y + (bits << 23));
+}
+
+/* Wide-vector exp, sum, maxima (the tiled prefill kernel's online softmax). */
+typedef int32_t vwsi __attribute__((vector_size(PS_WIDE_LANES * 4)));
+
+/* exp of every lane, x <= 0 (ps_exp8 on each 8-float half) */
+static inline vwsf ps_wexp(vwsf x) {
+#if PS_WIDE_LANES == 16
+    const v8sf lo = ps_exp8(__builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7));
+    const v8sf hi = ps_exp8(__builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15));
+    return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    return ps_exp8(x);
+#endif
+}
+
+/* The sum of a wide vector's lanes (pairwise). */
+static inline float ps_wsum(vwsf x) {
+    const v8sf f = ps_fold8(x);
+    return ((f[0] + f[1]) + (f[2] + f[3])) + ((f[4] + f[5]) + (f[6] + f[7]));
+}
+
+/* Lane-wise maxima (C has no vector ?:, hence the masks). */
+static inline vwsf ps_wvmax(vwsf a, vwsf b) {
+    const vwsi gt = a > b;
+    return (vwsf)(((vwsi)a & gt) | ((vwsi)b & ~gt));
+}
+static inline v8sf ps_v8max(v8sf a, v8sf b) {
+    const v8si gt = a > b;
+    return (v8sf)(((v8si)a & gt) | ((v8si)b & ~gt));
+}
+
+/* The largest lane of a wide vector. */
+static inline float ps_wmax(vwsf x) {
+#if PS_WIDE_LANES == 16
+    v8sf f = ps_v8max(__builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7),
+                      __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15));
+#else
+    v8sf f = x;
+#endif
+    f = ps_v8max(f, __builtin_shufflevector(f, f, 4, 5, 6, 7, 0, 1, 2, 3));
+    f = ps_v8max(f, __builtin_shufflevector(f, f, 2, 3, 0, 1, 6, 7, 4, 5));
+    return f[0] > f[1] ? f[0] : f[1];
 }
 
 #endif
