@@ -67,6 +67,38 @@ typedef struct {
     float *lse;                  /* [n, num_heads] */
 } ps_decode_args;
 
+/* The next block's keys and values, asked for (into L2) a line of each at a time, spread
+ * evenly over the loads of the current block: the loops below take a step for every two lines
+ * they load (PS_PF_EVERY vectors), so the next block's K and V lines are requested side by
+ * side at the rate this block's are read, and the requests are all out by its end.
+ *
+ * Why: before this, a block's next keys were asked for a row or two per head pass and its
+ * next values a row per token, in bursts of 16-32 requests between compute; a burst beyond the
+ * core's free miss buffers stalls the loop that issued it, so the compute and the memory
+ * system took turns. Measured (bench/README.md, Zen 4, 2 threads, K/V from DRAM, 21 alternating
+ * rounds, 8/4 and 9/3 heads of 64 at 64 x 512 and 48 x 400): 1.08-1.11x the kernel's K/V rate
+ * when the machine read at ~50 GB/s, 1.03-1.10x at ~31 GB/s; asking for the whole next block
+ * during the score loop alone measured 0.95-0.99x. */
+#define PS_PF_EVERY (128 / (4 * PS_WIDE_LANES)) /* wide vectors in two 64-byte lines */
+typedef struct {
+    const float *k, *v; /* the next block's keys and values (NULL: none) */
+    int64_t o, d;       /* offset of the next line; floats into the current row's span */
+    int64_t len, skip;  /* the span of each token row asked for; the rest of the row */
+    int64_t end;        /* one past the last line */
+} ps_pf;
+
+static inline void ps_pf_step(ps_pf *p) {
+    if (p->o >= p->end) return;
+    __builtin_prefetch(p->k + p->o, 0, 2);
+    __builtin_prefetch(p->v + p->o, 0, 2);
+    p->o += 16;
+    p->d += 16;
+    if (p->d >= p->len) {
+        p->d = 0;
+        p->o += p->skip;
+    }
+}
+
 static inline v8sf ps_load(const float *p) { return *(const v8sf_u *)p; }
 
 /* Lane j of the result: the sum of the 8 lanes of p[j] (a transposing reduction). */
@@ -86,12 +118,16 @@ static inline v8sf ps_hsum8(const v8sf p[8]) {
 
 
 /* Scores of 8 consecutive tokens (rows token_stride apart) for one query vector. */
-static inline v8sf ps_scores8(const float *q, const float *k, int64_t token_stride, int64_t D) {
+static inline v8sf ps_scores8(const float *q, const float *k, int64_t token_stride, int64_t D,
+                              ps_pf *pf) {
     v8sf p[8];
     for (int j = 0; j < 8; ++j) p[j] = ps_splat(0.0f);
     for (int64_t d = 0; d < D; d += PS_LANES) {
         const v8sf qv = ps_load(q + d);
-        for (int j = 0; j < 8; ++j) p[j] += qv * ps_load(k + j * token_stride + d);
+        for (int j = 0; j < 8; ++j) {
+            if (j % 4 == 0) ps_pf_step(pf); /* 8-float loads: every fourth */
+            p[j] += qv * ps_load(k + j * token_stride + d);
+        }
     }
     return ps_hsum8(p);
 }
@@ -108,9 +144,9 @@ static inline v8sf ps_scores8(const float *q, const float *k, int64_t token_stri
 #endif
 static inline __attribute__((always_inline)) void ps_scores8xn(
     const float (*q)[PS_MAX_HEAD_DIM], const int n, const float *k, int64_t token_stride,
-    const int64_t D, float (*s)[PS_MAX_BLOCK], int64_t c) {
+    const int64_t D, float (*s)[PS_MAX_BLOCK], int64_t c, ps_pf *pf) {
     if (D % PS_WIDE_LANES != 0) { /* narrow head sizes (e.g. 40): one head at a time */
-        for (int i = 0; i < n; ++i) *(v8sf *)&s[i][c] = ps_scores8(q[i], k, token_stride, D);
+        for (int i = 0; i < n; ++i) *(v8sf *)&s[i][c] = ps_scores8(q[i], k, token_stride, D, pf);
         return;
     }
     vwsf p[PS_SCORE_HEADS][8];
@@ -120,6 +156,7 @@ static inline __attribute__((always_inline)) void ps_scores8xn(
         vwsf qv[PS_SCORE_HEADS];
         for (int i = 0; i < n; ++i) qv[i] = ps_wload(q[i] + d);
         for (int j = 0; j < 8; ++j) {
+            if (j % PS_PF_EVERY == 0) ps_pf_step(pf);
             const vwsf kv = ps_wload(k + j * token_stride + d);
             for (int i = 0; i < n; ++i) p[i][j] += qv[i] * kv;
         }
@@ -142,7 +179,8 @@ static inline __attribute__((always_inline)) void ps_scores8xn(
  * loads of the block being computed; L2 tracks many more misses. Measured on a Zen 4 EPYC
  * (a throwaway harness, bench/README.md; 2 threads, 4 shapes x 2 sizes): 1.2-1.5x the L1
  * version's K/V rate alone, 1.2-2.1x with the key prefetches spread over the heads' score
- * passes (below). Two blocks ahead measured no better. */
+ * passes. Two blocks ahead measured no better. Within a row the steps of ps_pf (above) now
+ * do this a line at a time; this asks for the next row's first block. */
 static inline void ps_prefetch_rows(const float *base, int64_t n, int64_t token_stride,
                                     int64_t off, int64_t len) {
     for (int64_t t = 0; t < n; ++t)
@@ -153,19 +191,19 @@ static inline void ps_prefetch_rows(const float *base, int64_t n, int64_t token_
 /* Value sums over tokens [t0, t1) of a block for n heads of one KV head, head_dim
  * DV * PS_WIDE_LANES: the n * DV accumulators stay in registers for the whole block and each
  * value vector is loaded once for the n heads. n and DV must be compile-time constants (the
- * loops unroll and the accumulator array becomes registers); n * DV <= 16. vh_next, when not
- * NULL, is the same KV head's rows in the next block, asked for a row per token. */
+ * loops unroll and the accumulator array becomes registers); n * DV <= 16. Takes the
+ * prefetch cursor's steps (ps_pf) as it loads. */
 static inline __attribute__((always_inline)) void ps_values_tile(
     float (*acc)[PS_MAX_HEAD_DIM], const float (*s)[PS_MAX_BLOCK], const int n, const int DV,
-    const float *vh, const float *vh_next, int64_t token_stride, int64_t t0, int64_t t1) {
+    const float *vh, ps_pf *pf, int64_t token_stride, int64_t t0, int64_t t1) {
     vwsf a[4][8];
     for (int i = 0; i < n; ++i)
         for (int j = 0; j < DV; ++j) a[i][j] = ps_wload(&acc[i][j * PS_WIDE_LANES]);
     for (int64_t t = t0; t < t1; ++t) {
-        if (vh_next) ps_prefetch_rows(vh_next + t * token_stride, 1, 0, 0, DV * PS_WIDE_LANES);
         vwsf w[4];
         for (int i = 0; i < n; ++i) w[i] = ps_wsplat(s[i][t]);
         for (int j = 0; j < DV; ++j) {
+            if (j % PS_PF_EVERY == 0) ps_pf_step(pf);
             const vwsf v = ps_wload(vh + t * token_stride + j * PS_WIDE_LANES);
             for (int i = 0; i < n; ++i) a[i][j] += w[i] * v;
         }
@@ -219,34 +257,25 @@ static inline __attribute__((always_inline)) void ps_decode_row_impl(
         /* the next block's keys and values, requested while this block is computed */
         const int has_next = (b + 1) * BS <= last;
         const int64_t next_off = has_next ? (int64_t)table[b + 1] * BS * token_stride : 0;
-        const float *kn = a->k_cache + next_off, *vn = a->v_cache + next_off;
         const int64_t pf_off = (h0 / G) * D, pf_len = ((h1 - 1) / G + 1 - h0 / G) * D;
+        const int64_t next_rows = last - (b + 1) * BS + 1 < BS ? last - (b + 1) * BS + 1 : BS;
+        ps_pf pf = {a->k_cache + next_off, a->v_cache + next_off, pf_off, 0, pf_len,
+                    token_stride - pf_len,
+                    has_next ? (next_rows - 1) * token_stride + pf_off + pf_len : 0};
         /* scores, walking the block's keys front to back: 8 tokens (8 rows) at a time, every
          * head of the task against them while they are in L1 */
         for (int64_t c = c0; c < c1; c += PS_LANES) {
             const float *kc = kb + c * token_stride;
-            /* the next block's matching 8 key rows, asked for a row or two per head pass (not
-             * all at once: a burst of requests waits for free miss buffers) */
-            const float *knc = kn + c * token_stride;
-            int64_t asked = has_next ? 0 : PS_LANES;
             for (int64_t i = 0; i < nh; i += G_task)
                 for (int64_t g = 0; g < G_task; g += SH) {
                     const int64_t n = G_task - g < SH ? G_task - g : SH;
-                    if (asked < PS_LANES) {
-                        const int64_t rows = n < PS_LANES - asked ? n : PS_LANES - asked;
-                        ps_prefetch_rows(knc + asked * token_stride, rows, token_stride, pf_off,
-                                         pf_len);
-                        asked += rows;
-                    }
                     const float *kh = kc + ((h0 + i) / G) * D;
                     if (PS_SCORE_HEADS >= 3 && n == 3) /* never on AVX2 (SH <= 2) */
-                        ps_scores8xn(q + i + g, 3, kh, token_stride, D, s + i + g, c);
-                    else if (n == 2) ps_scores8xn(q + i + g, 2, kh, token_stride, D, s + i + g, c);
-                    else ps_scores8xn(q + i + g, 1, kh, token_stride, D, s + i + g, c);
+                        ps_scores8xn(q + i + g, 3, kh, token_stride, D, s + i + g, c, &pf);
+                    else if (n == 2)
+                        ps_scores8xn(q + i + g, 2, kh, token_stride, D, s + i + g, c, &pf);
+                    else ps_scores8xn(q + i + g, 1, kh, token_stride, D, s + i + g, c, &pf);
                 }
-            if (asked < PS_LANES) /* fewer heads than rows: the rest now */
-                ps_prefetch_rows(knc + asked * token_stride, PS_LANES - asked, token_stride,
-                                 pf_off, pf_len);
         }
         if (!has_next && next_row >= 0) { /* the row's last block: the next row's first */
             const int64_t nb = a->first_block[next_row];
@@ -282,33 +311,33 @@ static inline __attribute__((always_inline)) void ps_decode_row_impl(
         /* values, front to back: each value vector is loaded once for its group of heads */
         if (TILED) { /* the compiled shapes: accumulators in registers, a tile at a time */
             for (int64_t i = 0; i < nh; i += G_task) {
-                const float *vh = vb + ((h0 + i) / G) * D, *vh_next = vn + ((h0 + i) / G) * D;
+                const float *vh = vb + ((h0 + i) / G) * D;
                 for (int64_t g = 0; g < G_task; g += TH) {
                     const int64_t n = G_task - g < TH ? G_task - g : TH;
-                    const float *pf = has_next && g == 0 ? vh_next : 0;
                     float(*ac)[PS_MAX_HEAD_DIM] = acc + i + g;
                     const float(*sc)[PS_MAX_BLOCK] = (const float(*)[PS_MAX_BLOCK])(s + i + g);
-                    if (n == 4) ps_values_tile(ac, sc, 4, DV, vh, pf, token_stride, t0, t1);
-                    else if (n == 3) ps_values_tile(ac, sc, 3, DV, vh, pf, token_stride, t0, t1);
-                    else if (n == 2) ps_values_tile(ac, sc, 2, DV, vh, pf, token_stride, t0, t1);
-                    else ps_values_tile(ac, sc, 1, DV, vh, pf, token_stride, t0, t1);
+                    if (n == 4) ps_values_tile(ac, sc, 4, DV, vh, &pf, token_stride, t0, t1);
+                    else if (n == 3) ps_values_tile(ac, sc, 3, DV, vh, &pf, token_stride, t0, t1);
+                    else if (n == 2) ps_values_tile(ac, sc, 2, DV, vh, &pf, token_stride, t0, t1);
+                    else ps_values_tile(ac, sc, 1, DV, vh, &pf, token_stride, t0, t1);
                 }
             }
+            while (pf.o < pf.end) ps_pf_step(&pf); /* whatever the block's loads left */
             continue;
         }
         for (int64_t t = t0; t < t1; ++t) {
             const float *vrow = vb + t * token_stride;
-            if (has_next)
-                ps_prefetch_rows(vn + t * token_stride, 1, token_stride, pf_off, pf_len);
             for (int64_t i = 0; i < nh; i += G_task) {
                 const float *vh = vrow + ((h0 + i) / G) * D;
                 for (int64_t d = 0; d < D; d += PS_LANES) {
+                    if (d % 32 == 0) ps_pf_step(&pf); /* a step per two lines */
                     const v8sf v = ps_load(vh + d);
                     for (int64_t g = 0; g < G_task; ++g)
                         *(v8sf *)&acc[i + g][d] += ps_splat(s[i + g][t]) * v;
                 }
             }
         }
+        while (pf.o < pf.end) ps_pf_step(&pf); /* whatever the block's loads left */
     }
 
     float *orow = a->out + a->token_rows[r] * a->out_row_stride;
