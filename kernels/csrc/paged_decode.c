@@ -221,7 +221,8 @@ static inline __attribute__((always_inline)) void ps_decode_row_impl(
     float q[PS_MAX_HEADS][PS_MAX_HEAD_DIM] __attribute__((aligned(32)));
     float acc[PS_MAX_HEADS][PS_MAX_HEAD_DIM] __attribute__((aligned(32)));
     float s[PS_MAX_HEADS][PS_MAX_BLOCK] __attribute__((aligned(32)));
-    float m[PS_MAX_HEADS], l[PS_MAX_HEADS];
+    float m[PS_MAX_HEADS] __attribute__((aligned(32))), l[PS_MAX_HEADS];
+    float newm[PS_MAX_HEADS] __attribute__((aligned(32))), alpha[PS_MAX_HEADS] __attribute__((aligned(32)));
     const int64_t nh = h1 - h0;
     const int64_t G_task = nh < G ? nh : G; /* heads of the task sharing one KV head */
     /* heads per score pass (sharing each key load); AVX2 keeps pairs for GQA 2 only */
@@ -237,9 +238,9 @@ static inline __attribute__((always_inline)) void ps_decode_row_impl(
             q[i][d] = qrow[(h0 + i) * D + d] * a->scale;
             acc[i][d] = 0.0f;
         }
-        m[i] = -INFINITY;
         l[i] = 0.0f;
     }
+    for (int64_t i = 0; i < PS_MAX_HEADS; ++i) m[i] = newm[i] = -INFINITY; /* pads: exp(-inf - -inf) */
 
     const int64_t last = a->seq_lens[r] - 1;
     int64_t lo = a->first_block[r] * BS;
@@ -284,29 +285,54 @@ static inline __attribute__((always_inline)) void ps_decode_row_impl(
             ps_prefetch_rows(a->k_cache + off, BS, token_stride, 0, token_stride);
             ps_prefetch_rows(a->v_cache + off, BS, token_stride, 0, token_stride);
         }
+        /* online softmax over the block's valid tokens [t0, t1), in phases over all heads of
+         * the task (each head's maximum, then the new maxima and rescale factors as vectors,
+         * then each head's weights and sum), so that the heads' short dependency chains
+         * overlap. Why: head by head (a serial scalar maximum over the tokens, a scalar expf,
+         * a serial lane sum) it took ~22% of the kernel's time on L3-resident K/V (Zen 4, 8/4
+         * and 9/3 heads; bench/README.md). */
+        const int64_t nv = (c1 - c0) / PS_LANES; /* 8-float vectors of the block's scores */
         for (int64_t i = 0; i < nh; ++i) {
-            float bmax = s[i][t0];
-            for (int64_t t = t0 + 1; t < t1; ++t) bmax = s[i][t] > bmax ? s[i][t] : bmax;
-            const float new_m = bmax > m[i] ? bmax : m[i];
-            const float alpha = expf(m[i] - new_m); /* exp(-inf) = 0 on the first block */
-            const v8sf mv = ps_splat(new_m);
-            v8sf vsum = ps_splat(0.0f);
-            for (int64_t c = c0; c < c1; c += PS_LANES) {
-                v8sf e = ps_exp8(*(v8sf *)&s[i][c] - mv);
-                if (c < t0 || c + PS_LANES > t1) {
-                    for (int j = 0; j < PS_LANES; ++j) /* outside the context: no weight */
-                        if (c + j < t0 || c + j >= t1) e[j] = 0.0f;
+            v8sf bm = ps_splat(-INFINITY);
+            for (int64_t v = 0; v < nv; ++v) {
+                const int64_t c = c0 + v * PS_LANES;
+                v8sf x = *(v8sf *)&s[i][c];
+                if (c < t0 || c + PS_LANES > t1) { /* outside the context: never the maximum */
+                    for (int j = 0; j < PS_LANES; ++j)
+                        if (c + j < t0 || c + j >= t1) x[j] = -INFINITY;
+                    *(v8sf *)&s[i][c] = x;
                 }
+                bm = ps_v8max(bm, x);
+            }
+            bm = ps_v8max(bm, __builtin_shufflevector(bm, bm, 4, 5, 6, 7, 0, 1, 2, 3));
+            bm = ps_v8max(bm, __builtin_shufflevector(bm, bm, 2, 3, 0, 1, 6, 7, 4, 5));
+            bm = ps_v8max(bm, __builtin_shufflevector(bm, bm, 1, 0, 3, 2, 5, 4, 7, 6));
+            newm[i] = bm[0] > m[i] ? bm[0] : m[i];
+        }
+        for (int64_t i = 0; i < nh; i += PS_LANES) { /* m, newm, alpha: padded to 8 lanes */
+            const v8sf al = ps_exp8(*(v8sf *)&m[i] - *(v8sf *)&newm[i]);
+            *(v8sf *)&alpha[i] = al; /* first block: m = -inf, ps_exp8 floors at ~1e-38 (x l = acc = 0) */
+        }
+        for (int64_t i = 0; i < nh; ++i) {
+            const v8sf mv = ps_splat(newm[i]);
+            v8sf vsum = ps_splat(0.0f);
+            for (int64_t v = 0; v < nv; ++v) {
+                const int64_t c = c0 + v * PS_LANES;
+                const v8sf x = *(v8sf *)&s[i][c];
+                v8sf e = ps_exp8(x - mv);
+                if (c < t0 || c + PS_LANES > t1) /* no weight outside the context */
+                    e = (v8sf)((v8si)e & ~(v8si)(x == ps_splat(-INFINITY)));
                 *(v8sf *)&s[i][c] = e;
                 vsum += e;
             }
-            if (alpha != 1.0f)
+            vsum += __builtin_shufflevector(vsum, vsum, 4, 5, 6, 7, 0, 1, 2, 3);
+            vsum += __builtin_shufflevector(vsum, vsum, 2, 3, 0, 1, 6, 7, 4, 5);
+            vsum += __builtin_shufflevector(vsum, vsum, 1, 0, 3, 2, 5, 4, 7, 6);
+            if (alpha[i] != 1.0f)
                 for (int64_t d = 0; d < D; d += PS_LANES)
-                    *(v8sf *)&acc[i][d] *= ps_splat(alpha);
-            const float sum = vsum[0] + vsum[1] + vsum[2] + vsum[3] + vsum[4] + vsum[5] +
-                              vsum[6] + vsum[7];
-            l[i] = l[i] * alpha + sum;
-            m[i] = new_m;
+                    *(v8sf *)&acc[i][d] *= ps_splat(alpha[i]);
+            l[i] = l[i] * alpha[i] + vsum[0];
+            m[i] = newm[i];
         }
         /* values, front to back: each value vector is loaded once for its group of heads */
         if (TILED) { /* the compiled shapes: accumulators in registers, a tile at a time */
