@@ -92,10 +92,12 @@ static inline void ps_pf_step(ps_pf *p) {
     __builtin_prefetch(p->k + p->o, 0, 2);
     __builtin_prefetch(p->v + p->o, 0, 2);
     p->o += 16;
-    p->d += 16;
-    if (p->d >= p->len) {
-        p->d = 0;
-        p->o += p->skip;
+    if (p->skip) { /* a task of some of the KV heads: only their span of each token row */
+        p->d += 16;
+        if (p->d >= p->len) {
+            p->d = 0;
+            p->o += p->skip;
+        }
     }
 }
 
