@@ -224,9 +224,16 @@ def test_tiled_prefill_large_scores_and_env_switch(monkeypatch: pytest.MonkeyPat
 
 
 @needs_compiler
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_fewer_rows_than_threads_split_by_head(head_dim: int) -> None:
-    batch = make_batch([1], [333], num_heads=8, num_kv_heads=4, head_dim=head_dim, block_size=16)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), SHAPES)
+def test_fewer_rows_than_threads_split_by_head(
+    num_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
+    """Too few rows for the threads: a task per (row, KV head), whose prefetches cover only its
+    KV head's span of each token row (the other path of the kernel's prefetch cursor)."""
+    batch = make_batch(
+        [1, 1, 1], [333, 16, 70], num_heads=num_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, block_size=16,
+    )  # fmt: skip
     backend = TorchBackend(native=True)
     run_and_compare(batch, backend=backend)
     assert native_plans(backend) == [True]
