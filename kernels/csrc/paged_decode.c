@@ -92,8 +92,8 @@ typedef struct {
     int64_t end;        /* one past the last line */
 } ps_pf;
 
-static inline void ps_pf_step(ps_pf *p) {
-    if (p->o >= p->end) return;
+static inline __attribute__((always_inline)) void ps_pf_step(ps_pf *p) {
+    if (!p || p->o >= p->end) return; /* NULL: a pass that takes no steps (folded away) */
     __builtin_prefetch(p->k + p->o, 0, 2);
     __builtin_prefetch(p->v + p->o, 0, 2);
     p->o += 16;
@@ -153,7 +153,9 @@ static inline __attribute__((always_inline)) void ps_scores8xn(
     const float (*q)[PS_MAX_HEAD_DIM], const int n, const float *k, int64_t token_stride,
     const int64_t D, float (*s)[PS_MAX_BLOCK], int64_t c, ps_pf *pf) {
     if (D % PS_WIDE_LANES != 0) { /* narrow head sizes (e.g. 40): one head at a time */
-        for (int i = 0; i < n; ++i) *(v8sf *)&s[i][c] = ps_scores8(q[i], k, token_stride, D, pf);
+        *(v8sf *)&s[0][c] = ps_scores8(q[0], k, token_stride, D, pf);
+        for (int i = 1; i < n; ++i) /* the cursor steps in the first head's pass only */
+            *(v8sf *)&s[i][c] = ps_scores8(q[i], k, token_stride, D, 0);
         return;
     }
     vwsf p[PS_SCORE_HEADS][8];
@@ -219,6 +221,30 @@ static inline __attribute__((always_inline)) void ps_values_tile(
         for (int j = 0; j < DV; ++j) ps_wstore(&acc[i][j * PS_WIDE_LANES], a[i][j]);
 }
 
+/* A score pass (n <= PS_SCORE_HEADS heads of one KV head) and a value tile (n <= 4 heads) with
+ * the n of the call; pf is &cursor in the first pass over a K or V slice and a literal NULL in
+ * the others, so each call site is compiled with or without the steps. Why: where a KV head's
+ * heads take several passes (GQA 3 on AVX2, 7 on AVX-512), stepping in every pass asked for the
+ * next block too early (0.83-0.87x for 9/3 heads in a -march=haswell build), and choosing the
+ * cursor at run time kept it out of registers (0.70x for 14/2 heads). */
+static inline __attribute__((always_inline)) void ps_scores_pass(
+    const float (*q)[PS_MAX_HEAD_DIM], const int64_t n, const float *k, int64_t token_stride,
+    const int64_t D, float (*s)[PS_MAX_BLOCK], int64_t c, ps_pf *pf) {
+    if (PS_SCORE_HEADS >= 3 && n == 3) /* never on AVX2 (SH <= 2) */
+        ps_scores8xn(q, 3, k, token_stride, D, s, c, pf);
+    else if (n == 2) ps_scores8xn(q, 2, k, token_stride, D, s, c, pf);
+    else ps_scores8xn(q, 1, k, token_stride, D, s, c, pf);
+}
+
+static inline __attribute__((always_inline)) void ps_values_pass(
+    float (*acc)[PS_MAX_HEAD_DIM], const float (*s)[PS_MAX_BLOCK], const int64_t n, const int DV,
+    const float *vh, ps_pf *pf, int64_t token_stride, int64_t t0, int64_t t1) {
+    if (n == 4) ps_values_tile(acc, s, 4, DV, vh, pf, token_stride, t0, t1);
+    else if (n == 3) ps_values_tile(acc, s, 3, DV, vh, pf, token_stride, t0, t1);
+    else if (n == 2) ps_values_tile(acc, s, 2, DV, vh, pf, token_stride, t0, t1);
+    else ps_values_tile(acc, s, 1, DV, vh, pf, token_stride, t0, t1);
+}
+
 /* One decode row, heads h0..h1-1: each block's keys (then values) are one contiguous
  * block_size * num_kv_heads * head_dim run, read front to back once. */
 static inline __attribute__((always_inline)) void ps_decode_row_impl(
@@ -278,11 +304,8 @@ static inline __attribute__((always_inline)) void ps_decode_row_impl(
                 for (int64_t g = 0; g < G_task; g += SH) {
                     const int64_t n = G_task - g < SH ? G_task - g : SH;
                     const float *kh = kc + ((h0 + i) / G) * D;
-                    if (PS_SCORE_HEADS >= 3 && n == 3) /* never on AVX2 (SH <= 2) */
-                        ps_scores8xn(q + i + g, 3, kh, token_stride, D, s + i + g, c, &pf);
-                    else if (n == 2)
-                        ps_scores8xn(q + i + g, 2, kh, token_stride, D, s + i + g, c, &pf);
-                    else ps_scores8xn(q + i + g, 1, kh, token_stride, D, s + i + g, c, &pf);
+                    if (g == 0) ps_scores_pass(q + i, n, kh, token_stride, D, s + i, c, &pf);
+                    else ps_scores_pass(q + i + g, n, kh, token_stride, D, s + i + g, c, 0);
                 }
         }
         if (!has_next && next_row >= 0) { /* the row's last block: the next row's first */
@@ -349,10 +372,8 @@ static inline __attribute__((always_inline)) void ps_decode_row_impl(
                     const int64_t n = G_task - g < TH ? G_task - g : TH;
                     float(*ac)[PS_MAX_HEAD_DIM] = acc + i + g;
                     const float(*sc)[PS_MAX_BLOCK] = (const float(*)[PS_MAX_BLOCK])(s + i + g);
-                    if (n == 4) ps_values_tile(ac, sc, 4, DV, vh, &pf, token_stride, t0, t1);
-                    else if (n == 3) ps_values_tile(ac, sc, 3, DV, vh, &pf, token_stride, t0, t1);
-                    else if (n == 2) ps_values_tile(ac, sc, 2, DV, vh, &pf, token_stride, t0, t1);
-                    else ps_values_tile(ac, sc, 1, DV, vh, &pf, token_stride, t0, t1);
+                    if (g == 0) ps_values_pass(ac, sc, n, DV, vh, &pf, token_stride, t0, t1);
+                    else ps_values_pass(ac, sc, n, DV, vh, 0, token_stride, t0, t1);
                 }
             }
             while (pf.o < pf.end) ps_pf_step(&pf); /* whatever the block's loads left */
