@@ -254,8 +254,10 @@ static inline __attribute__((always_inline)) void ps_decode_row_impl(
     float q[PS_MAX_HEADS][PS_MAX_HEAD_DIM] __attribute__((aligned(32)));
     float acc[PS_MAX_HEADS][PS_MAX_HEAD_DIM] __attribute__((aligned(32)));
     float s[PS_MAX_HEADS][PS_MAX_BLOCK] __attribute__((aligned(32)));
+    /* running max and sum; the block's new max and rescale factor (vectors of 8 heads) */
     float m[PS_MAX_HEADS] __attribute__((aligned(32))), l[PS_MAX_HEADS];
-    float newm[PS_MAX_HEADS] __attribute__((aligned(32))), alpha[PS_MAX_HEADS] __attribute__((aligned(32)));
+    float newm[PS_MAX_HEADS] __attribute__((aligned(32)));
+    float alpha[PS_MAX_HEADS] __attribute__((aligned(32)));
     const int64_t nh = h1 - h0;
     const int64_t G_task = nh < G ? nh : G; /* heads of the task sharing one KV head */
     /* heads per score pass (sharing each key load); AVX2 keeps pairs for GQA 2 only */
@@ -273,7 +275,8 @@ static inline __attribute__((always_inline)) void ps_decode_row_impl(
         }
         l[i] = 0.0f;
     }
-    for (int64_t i = 0; i < PS_MAX_HEADS; ++i) m[i] = newm[i] = -INFINITY; /* pads: exp(-inf - -inf) */
+    const int64_t nh_lanes = (nh + PS_LANES - 1) / PS_LANES * PS_LANES;
+    for (int64_t i = 0; i < nh_lanes; ++i) m[i] = newm[i] = -INFINITY; /* pad lanes unused */
 
     const int64_t last = a->seq_lens[r] - 1;
     int64_t lo = a->first_block[r] * BS;
@@ -334,15 +337,12 @@ static inline __attribute__((always_inline)) void ps_decode_row_impl(
                 }
                 bm = ps_v8max(bm, x);
             }
-            bm = ps_v8max(bm, __builtin_shufflevector(bm, bm, 4, 5, 6, 7, 0, 1, 2, 3));
-            bm = ps_v8max(bm, __builtin_shufflevector(bm, bm, 2, 3, 0, 1, 6, 7, 4, 5));
-            bm = ps_v8max(bm, __builtin_shufflevector(bm, bm, 1, 0, 3, 2, 5, 4, 7, 6));
-            newm[i] = bm[0] > m[i] ? bm[0] : m[i];
+            const float bmax = ps_v8hmax(bm);
+            newm[i] = bmax > m[i] ? bmax : m[i];
         }
-        for (int64_t i = 0; i < nh; i += PS_LANES) { /* m, newm, alpha: padded to 8 lanes */
-            const v8sf al = ps_exp8(*(v8sf *)&m[i] - *(v8sf *)&newm[i]);
-            *(v8sf *)&alpha[i] = al; /* first block: m = -inf, ps_exp8 floors at ~1e-38 (x l = acc = 0) */
-        }
+        /* on the first block m = -inf: ps_exp8's floor, ~1e-38, times l = acc = 0 */
+        for (int64_t i = 0; i < nh; i += PS_LANES)
+            *(v8sf *)&alpha[i] = ps_exp8(*(v8sf *)&m[i] - *(v8sf *)&newm[i]);
         for (int64_t i = 0; i < nh; ++i) {
             const v8sf mv = ps_splat(newm[i]);
             v8sf vsum = ps_splat(0.0f);
@@ -355,13 +355,10 @@ static inline __attribute__((always_inline)) void ps_decode_row_impl(
                 *(v8sf *)&s[i][c] = e;
                 vsum += e;
             }
-            vsum += __builtin_shufflevector(vsum, vsum, 4, 5, 6, 7, 0, 1, 2, 3);
-            vsum += __builtin_shufflevector(vsum, vsum, 2, 3, 0, 1, 6, 7, 4, 5);
-            vsum += __builtin_shufflevector(vsum, vsum, 1, 0, 3, 2, 5, 4, 7, 6);
             if (alpha[i] != 1.0f)
                 for (int64_t d = 0; d < D; d += PS_LANES)
                     *(v8sf *)&acc[i][d] *= ps_splat(alpha[i]);
-            l[i] = l[i] * alpha[i] + vsum[0];
+            l[i] = l[i] * alpha[i] + ps_v8sum(vsum);
             m[i] = newm[i];
         }
         /* values, front to back: each value vector is loaded once for its group of heads */
@@ -376,18 +373,17 @@ static inline __attribute__((always_inline)) void ps_decode_row_impl(
                     else ps_values_pass(ac, sc, n, DV, vh, 0, token_stride, t0, t1);
                 }
             }
-            while (pf.o < pf.end) ps_pf_step(&pf); /* whatever the block's loads left */
-            continue;
-        }
-        for (int64_t t = t0; t < t1; ++t) {
-            const float *vrow = vb + t * token_stride;
-            for (int64_t i = 0; i < nh; i += G_task) {
-                const float *vh = vrow + ((h0 + i) / G) * D;
-                for (int64_t d = 0; d < D; d += PS_LANES) {
-                    if (d % 32 == 0) ps_pf_step(&pf); /* a step per two lines */
-                    const v8sf v = ps_load(vh + d);
-                    for (int64_t g = 0; g < G_task; ++g)
-                        *(v8sf *)&acc[i + g][d] += ps_splat(s[i + g][t]) * v;
+        } else {
+            for (int64_t t = t0; t < t1; ++t) {
+                const float *vrow = vb + t * token_stride;
+                for (int64_t i = 0; i < nh; i += G_task) {
+                    const float *vh = vrow + ((h0 + i) / G) * D;
+                    for (int64_t d = 0; d < D; d += PS_LANES) {
+                        if (d % 32 == 0) ps_pf_step(&pf); /* a step per two lines */
+                        const v8sf v = ps_load(vh + d);
+                        for (int64_t g = 0; g < G_task; ++g)
+                            *(v8sf *)&acc[i + g][d] += ps_splat(s[i + g][t]) * v;
+                    }
                 }
             }
         }

@@ -87,11 +87,14 @@ PS_DEFINE_EXP(ps_wexp, vwsf, vwsi, ps_wsplat)
 
 /* Wide-vector sum and maxima (the tiled prefill kernel's online softmax). */
 
-/* The sum of a wide vector's lanes (pairwise). */
-static inline float ps_wsum(vwsf x) {
-    const v8sf f = ps_fold8(x);
-    return ((f[0] + f[1]) + (f[2] + f[3])) + ((f[4] + f[5]) + (f[6] + f[7]));
+/* The sum of 8 lanes (a shuffle tree, pairwise), and of a wide vector's lanes. */
+static inline float ps_v8sum(v8sf f) {
+    f += __builtin_shufflevector(f, f, 4, 5, 6, 7, 0, 1, 2, 3);
+    f += __builtin_shufflevector(f, f, 2, 3, 0, 1, 6, 7, 4, 5);
+    f += __builtin_shufflevector(f, f, 1, 0, 3, 2, 5, 4, 7, 6);
+    return f[0];
 }
+static inline float ps_wsum(vwsf x) { return ps_v8sum(ps_fold8(x)); }
 
 /* Lane-wise maxima (C has no vector ?:, hence the masks). */
 static inline vwsf ps_wvmax(vwsf a, vwsf b) {
@@ -103,17 +106,20 @@ static inline v8sf ps_v8max(v8sf a, v8sf b) {
     return (v8sf)(((v8si)a & gt) | ((v8si)b & ~gt));
 }
 
-/* The largest lane of a wide vector. */
-static inline float ps_wmax(vwsf x) {
-#if PS_WIDE_LANES == 16
-    v8sf f = ps_v8max(__builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7),
-                      __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15));
-#else
-    v8sf f = x;
-#endif
+/* The largest of 8 lanes, and of a wide vector's lanes. */
+static inline float ps_v8hmax(v8sf f) {
     f = ps_v8max(f, __builtin_shufflevector(f, f, 4, 5, 6, 7, 0, 1, 2, 3));
     f = ps_v8max(f, __builtin_shufflevector(f, f, 2, 3, 0, 1, 6, 7, 4, 5));
-    return f[0] > f[1] ? f[0] : f[1];
+    f = ps_v8max(f, __builtin_shufflevector(f, f, 1, 0, 3, 2, 5, 4, 7, 6));
+    return f[0];
+}
+static inline float ps_wmax(vwsf x) {
+#if PS_WIDE_LANES == 16
+    return ps_v8hmax(ps_v8max(__builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7),
+                              __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15)));
+#else
+    return ps_v8hmax(x);
+#endif
 }
 
 #endif
