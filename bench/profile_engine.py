@@ -1,10 +1,11 @@
 """Where our engine's time goes on the bench model's ``mixed`` workload (no engine changes).
 
 Pass 1 wraps engine, scheduler, runner, attention backend (and its C decode kernel), sampler,
-detokenizer and the projections (``worker.models.layers.linear``)
-with perf_counter accumulators (a few microseconds per call) and reports each phase's share of wall
-time. Pass 2 (``--torch-profiler``) runs a smaller slice under torch.profiler and lists the top
-aten ops by self CPU time. Prints one JSON line.
+detokenizer and the projections (``worker.models.layers.linear``) with perf_counter accumulators
+(a few microseconds per call) and reports each phase's share of wall time, and the projections'
+GFLOP/s by row count (``linear_by_rows``: rows rounded up to a power of two; decode steps are the
+tens of rows, prefill the thousands). Pass 2 (``--torch-profiler``) runs a smaller slice under
+torch.profiler and lists the top aten ops by self CPU time. Prints one JSON line.
 
     python -m bench.profile_engine [--model DIR] [--requests 48] [--torch-profiler]
 """
@@ -24,6 +25,9 @@ from bench.throughput import ensure_model, make_mixed, model_numbers
 
 TOTALS: dict[str, float] = defaultdict(float)
 CALLS: dict[str, int] = defaultdict(int)
+#: Projection seconds and FLOPs by row bucket (rows rounded up to a power of two).
+LINEAR_S: dict[int, float] = defaultdict(float)
+LINEAR_FLOPS: dict[int, float] = defaultdict(float)
 
 
 def timer(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -40,6 +44,39 @@ def timer(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def patch(owner: Any, attr: str, name: str) -> None:
     setattr(owner, attr, timer(name, getattr(owner, attr)))
+
+
+def linear_timer(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``timer`` for the projections, also binned by row count: decode steps multiply tens of
+    rows by every weight, prefill thousands, and the two run at very different GFLOP/s."""
+
+    def wrapped(x: Any, weight: Any, bias: Any = None) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(x, weight, bias)
+        finally:
+            dt = time.perf_counter() - t0
+            TOTALS["linear"] += dt
+            CALLS["linear"] += 1
+            rows = x.numel() // x.shape[-1]
+            bucket = 1 << max(0, rows - 1).bit_length()
+            LINEAR_S[bucket] += dt
+            LINEAR_FLOPS[bucket] += 2.0 * rows * x.shape[-1] * weight.shape[0]
+
+    return wrapped
+
+
+def linear_table() -> list[dict[str, Any]]:
+    total = sum(LINEAR_S.values()) or 1.0
+    return [
+        {
+            "rows_le": b,
+            "s": round(LINEAR_S[b], 3),
+            "pct_of_linear": round(100 * LINEAR_S[b] / total, 1),
+            "gflops": round(LINEAR_FLOPS[b] / LINEAR_S[b] / 1e9, 1) if LINEAR_S[b] else None,
+        }
+        for b in sorted(LINEAR_S)
+    ]
 
 
 def install_timers() -> None:
@@ -75,8 +112,8 @@ def install_timers() -> None:
     patch(IncrementalDetokenizer, "add", "detok.add")
     patch(NativeDecode, "decode", "attn.native_decode")
     # projections go through worker.models.layers.linear (oneDNN on CPUs), not F.linear
-    patch(layers, "linear", "linear")
-    patch(decoder, "linear", "linear")
+    layers.linear = linear_timer(layers.linear)
+    decoder.linear = linear_timer(decoder.linear)
     patch(F, "linear", "F.linear")
 
 
@@ -87,8 +124,8 @@ def run_mixed(model: Path, requests: int, vocab: int) -> tuple[float, int, int]:
     wl = make_mixed(requests, vocab, 0)
     llm = LLM(model, dtype="float32", max_model_len=1024, kv_cache_memory=2 << 30)
     llm.generate([[10, 11, 12, 13]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    TOTALS.clear()
-    CALLS.clear()
+    for acc in (TOTALS, CALLS, LINEAR_S, LINEAR_FLOPS):
+        acc.clear()
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in wl.max_tokens]
     t0 = time.perf_counter()
     llm.generate([{"prompt_token_ids": p} for p in wl.prompts], params, use_tqdm=False)
@@ -157,6 +194,7 @@ def main() -> None:
         "wall_s": round(wall, 2),
         "output_tok_s": round(otok / wall, 1),
         **phase_table(wall),
+        "linear_by_rows": linear_table(),
         "torch_top_ops": ops,
         "note": "2 shared CPU cores: noisy; timers add a few us per call",
     }
