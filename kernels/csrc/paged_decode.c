@@ -461,7 +461,9 @@ double ps_read_blocks_f32(const ps_decode_args *a) {
     int64_t taken = 0;
 #pragma omp parallel num_threads(a->num_threads) reduction(+ : total)
     {
-        vwsf acc = ps_wsplat(0.0f);
+        /* two sums, so that one add's latency per vector does not pace the loads (a single
+         * chain read 0-10% slower on a Zen 3 EPYC: it understated the layout's ceiling) */
+        vwsf acc = ps_wsplat(0.0f), acc2 = ps_wsplat(0.0f);
         for (int64_t r = __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED); r < a->num_rows;
              r = __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED)) {
             const int64_t last = a->seq_lens[r] - 1;
@@ -477,13 +479,20 @@ double ps_read_blocks_f32(const ps_decode_args *a) {
                 for (int pass = 0; pass < 2; ++pass) {
                     const float *src = (pass ? a->v_cache : a->k_cache) + off;
                     const float *pf = (pass ? a->v_cache : a->k_cache) + next;
-                    for (int64_t i = t0 * token_stride; i < t1 * token_stride; i += PS_WIDE_LANES) {
-                        if (has_next && i % 16 == 0) __builtin_prefetch(pf + i, 0, 2);
+                    const int64_t n = t1 * token_stride;
+                    int64_t i = t0 * token_stride;
+                    for (; i + 2 * PS_WIDE_LANES <= n; i += 2 * PS_WIDE_LANES) {
+                        if (has_next)
+                            for (int j = 0; j < 2 * PS_WIDE_LANES; j += 16)
+                                __builtin_prefetch(pf + i + j, 0, 2);
                         acc += ps_wload(src + i);
+                        acc2 += ps_wload(src + i + PS_WIDE_LANES);
                     }
+                    for (; i < n; i += PS_WIDE_LANES) acc += ps_wload(src + i);
                 }
             }
         }
+        acc += acc2;
         for (int j = 0; j < PS_WIDE_LANES; ++j) total += acc[j];
     }
     return total;
