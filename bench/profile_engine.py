@@ -30,14 +30,21 @@ LINEAR_S: dict[int, float] = defaultdict(float)
 LINEAR_FLOPS: dict[int, float] = defaultdict(float)
 
 
-def timer(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+def timer(
+    name: str, fn: Callable[..., Any], record: Callable[..., None] | None = None
+) -> Callable[..., Any]:
+    """``fn`` with its seconds and calls added to ``name``; ``record(seconds, *args)`` too."""
+
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
-            TOTALS[name] += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            TOTALS[name] += dt
             CALLS[name] += 1
+            if record is not None:
+                record(dt, *args)
 
     return wrapped
 
@@ -46,24 +53,13 @@ def patch(owner: Any, attr: str, name: str) -> None:
     setattr(owner, attr, timer(name, getattr(owner, attr)))
 
 
-def linear_timer(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``timer`` for the projections, also binned by row count: decode steps multiply tens of
-    rows by every weight, prefill thousands, and the two run at very different GFLOP/s."""
-
-    def wrapped(x: Any, weight: Any, bias: Any = None) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return fn(x, weight, bias)
-        finally:
-            dt = time.perf_counter() - t0
-            TOTALS["linear"] += dt
-            CALLS["linear"] += 1
-            rows = x.numel() // x.shape[-1]
-            bucket = 1 << max(0, rows - 1).bit_length()
-            LINEAR_S[bucket] += dt
-            LINEAR_FLOPS[bucket] += 2.0 * rows * x.shape[-1] * weight.shape[0]
-
-    return wrapped
+def record_linear(dt: float, x: Any, weight: Any, *_: Any) -> None:
+    """Bins a projection by row count: decode steps multiply tens of rows by every weight,
+    prefill thousands, and the two run at very different GFLOP/s."""
+    rows = x.numel() // x.shape[-1]
+    bucket = 1 << max(0, rows - 1).bit_length()
+    LINEAR_S[bucket] += dt
+    LINEAR_FLOPS[bucket] += 2.0 * rows * x.shape[-1] * weight.shape[0]
 
 
 def linear_table() -> list[dict[str, Any]]:
@@ -112,8 +108,8 @@ def install_timers() -> None:
     patch(IncrementalDetokenizer, "add", "detok.add")
     patch(NativeDecode, "decode", "attn.native_decode")
     # projections go through worker.models.layers.linear (oneDNN on CPUs), not F.linear
-    layers.linear = linear_timer(layers.linear)
-    decoder.linear = linear_timer(decoder.linear)
+    layers.linear = timer("linear", layers.linear, record_linear)
+    decoder.linear = timer("linear", decoder.linear, record_linear)
     patch(F, "linear", "F.linear")
 
 
