@@ -17,8 +17,10 @@
  * and 3; the 16-float build alone 1.25x the 8-float one for head_dim 128, 1.05-1.2x for GQA 7.
  * Measured (bench/kernels.py, batch 64 x 512 tokens, 2 threads, AVX-512 EPYC cores) at 36-41 GB/s
  * of K/V, ~0.7x the time of a dense SDPA over contiguous K/V; 24 GB/s before the prefetch and the
- * specialisations (the prefetch gave most of it). On an older AVX2 machine the version without
- * either read ~10 GB/s; not re-measured there (code built with -march=haswell here: also faster).
+ * specialisations (the prefetch gave most of it). On a Zen 3 EPYC (AVX2 only: 8-float vectors;
+ * 2 threads, K/V from DRAM) the version without either read ~10 GB/s; this one reads 19-24 GB/s
+ * for 8/4 and 9/3 heads of 64, 0.58-0.85 of a contiguous read (9/3 the lowest: there it runs
+ * at ~0.8 of a plain sum over the same blocks, its compute and its misses barely overlapping).
  * On a Zen 4 EPYC (2 threads, K/V from DRAM; bench/README.md): 24-29 GB/s of K/V for 8/4 and 9/3
  * heads of 64, 0.96-1.0 of a plain sum over the same scattered blocks, 0.73-0.83 of a contiguous
  * read when the machine reads ~30-35 GB/s, 0.49-0.58 when it reads ~45-50 (the blocks' sum

@@ -85,8 +85,6 @@ typedef int32_t vwsi __attribute__((vector_size(PS_WIDE_LANES * 4)));
 PS_DEFINE_EXP(ps_exp8, v8sf, v8si, ps_splat)
 PS_DEFINE_EXP(ps_wexp, vwsf, vwsi, ps_wsplat)
 
-/* Wide-vector sum and maxima (the tiled prefill kernel's online softmax). */
-
 /* The sum of 8 lanes (a shuffle tree, pairwise), and of a wide vector's lanes. */
 static inline float ps_v8sum(v8sf f) {
     f += __builtin_shufflevector(f, f, 4, 5, 6, 7, 0, 1, 2, 3);
