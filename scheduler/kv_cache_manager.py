@@ -17,6 +17,24 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def tokens_stored(running: list[Sequence], block_size: int) -> int:
+    """Tokens the running sequences' blocks hold, each block counted once: a block shared by
+    several (a cached prefix, a forked sample's copy-on-write block) holds the most any of them
+    filled. Each sequence's full blocks go in with one dict update (a per-block Python loop over
+    256 sequences' tables took ~2 ms of every heartbeat on the service loop); only the partly
+    filled block is looked at alone."""
+    full: dict[int, None] = {}
+    partial: dict[int, int] = {}
+    for seq in running:
+        table, computed = seq.block_table, seq.num_computed
+        n = computed // block_size
+        full.update(dict.fromkeys(table[:n]))
+        left = computed - n * block_size
+        if left and n < len(table) and partial.get(table[n], 0) < left:
+            partial[table[n]] = left
+    return block_size * len(full) + sum(f for b, f in partial.items() if b not in full)
+
+
 class KVCacheManager:
     def __init__(self, pool: BlockPool) -> None:
         self.pool = pool
@@ -144,16 +162,8 @@ class KVCacheManager:
     def occupancy(self, running: list[Sequence], with_tables: bool = False) -> PoolOccupancy:
         """The pool snapshot plus the token fill of the blocks the running sequences hold."""
         occ = self.pool.occupancy()
-        bs = self.block_size
-        fill: dict[int, int] = {}
-        for seq in running:
-            computed = seq.num_computed
-            for j, block in enumerate(seq.block_table):
-                f = min(bs, max(0, computed - j * bs))
-                if f > fill.get(block, -1):
-                    fill[block] = f
-        occ.tokens_stored = sum(fill.values())
-        occ.fragmentation_slots = occ.in_use * bs - occ.tokens_stored
+        occ.tokens_stored = tokens_stored(running, self.block_size)
+        occ.fragmentation_slots = occ.in_use * self.block_size - occ.tokens_stored
         if with_tables:
             occ.block_tables = {f"{s.request_id}/{s.seq_id}": list(s.block_table) for s in running}
         return occ

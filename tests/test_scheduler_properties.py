@@ -159,6 +159,19 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert occ.cached_evictable == expected.count(BlockState.CACHED)
 
     @invariant()
+    def tokens_stored_counts_each_block_once(self) -> None:
+        """The snapshot's token fill against a per-block pass: each block holds the most any
+        running sequence filled it with."""
+        bs = self.sched.block_size
+        fill: dict[int, int] = {}
+        for seq in self.sched.running:
+            for j, b in enumerate(seq.block_table):
+                fill[b] = max(fill.get(b, 0), min(bs, max(0, seq.num_computed - j * bs)))
+        occ = self.sched.occupancy()
+        assert occ.tokens_stored == sum(fill.values())
+        assert occ.fragmentation_slots == occ.in_use * bs - occ.tokens_stored
+
+    @invariant()
     def ref_counts_match_tables(self) -> None:
         holders = [0] * self.sched.pool.num_blocks
         for seq in self.sched.seqs.values():
