@@ -271,3 +271,29 @@ def test_outputs_are_cumulative_and_abort_returns_the_partial_output(make_tiny_m
     assert [c.finish_reason for c in partial.outputs] == ["abort", "abort"]
     assert {c.index: (c.token_ids, c.text) for c in partial.outputs} == seen
     assert engine.abort("a") is None and engine.abort("never") is None
+
+
+def test_loading_freezes_the_heap_and_raises_the_young_threshold(make_tiny_model) -> None:
+    """``freeze_gc`` (the default): after loading, what exists is frozen and the youngest
+    generation's threshold is at least ``GC_GEN0_THRESHOLD`` (a higher one is kept); with
+    ``freeze_gc=False`` the collector is left as it was."""
+    import gc
+
+    from worker.engine import GC_GEN0_THRESHOLD
+
+    model_dir = make_tiny_model("llama")
+    saved = gc.get_threshold()
+    try:
+        gc.unfreeze()
+        gc.set_threshold(700, *saved[1:])
+        LLM(model_dir, num_kv_blocks=16, freeze_gc=False)
+        assert gc.get_threshold()[0] == 700 and gc.get_freeze_count() == 0
+        LLM(model_dir, num_kv_blocks=16)
+        assert gc.get_threshold() == (GC_GEN0_THRESHOLD, *saved[1:])
+        assert gc.get_freeze_count() > 0
+        gc.set_threshold(5 * GC_GEN0_THRESHOLD, *saved[1:])
+        LLM(model_dir, num_kv_blocks=16)
+        assert gc.get_threshold()[0] == 5 * GC_GEN0_THRESHOLD
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*saved)

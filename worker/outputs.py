@@ -38,10 +38,14 @@ class EngineConfig:
         default=True, metadata=opt("turn off prefix caching", flag="--no-prefix-caching")
     )
     #: After loading, move every object that exists then out of the cyclic collector's sight
-    #: (``gc.freeze``: see :meth:`worker.engine.Engine._freeze_gc`). Process-wide.
+    #: (``gc.freeze``) and raise its youngest generation's threshold: see
+    #: :meth:`worker.engine.Engine._freeze_gc`. Process-wide.
     freeze_gc: bool = field(
         default=True,
-        metadata=opt("turn off gc.freeze() after loading", flag="--no-freeze-gc"),
+        metadata=opt(
+            "turn off gc.freeze() and the raised gen-0 threshold after loading",
+            flag="--no-freeze-gc",
+        ),
     )
     seed: int = field(default=0, metadata=opt("seed of the generator of requests that set none"))
     num_threads: int | None = field(default=None, metadata=opt("torch intra-op threads (CPU)"))
