@@ -235,6 +235,24 @@ def test_redis_outage_keeps_the_loop_stepping_and_loses_nothing(
     assert w.writer.close(5)
 
 
+def test_bulk_final_writes_go_at_once_when_the_engine_runs_dry(
+    make_worker: Any, redis_url: str, loop_engine: Engine
+) -> None:
+    """Bulk writes wait for the writer's next send, but not once the engine has nothing left
+    to run: the last jobs of a batch are written as soon as they end. (With a send every
+    30 s, the results would otherwise wait that long.)"""
+    store = JobStore(redis_url)
+    cfg = ServiceConfig(worker_id="w", redis_url=redis_url, write_interval_s=30.0)
+    w = make_worker(loop_engine, store, cfg)
+    client = Client(redis_url)
+    ids = client.submit_many([[5, 6, 7, i] for i in range(4)], SHORT, priority="bulk")
+    run_loop_until(w, lambda: len(w.jobs) == 4)
+    run_loop_until(w, lambda: not loop_engine.has_unfinished())
+    recs = client.wait_many(ids, timeout=10)  # the loop is idle now: nothing more is put
+    assert [r.status for r in recs] == [JobStatus.SUCCEEDED] * 4
+    assert w.writer.close(5)
+
+
 def test_loop_drops_a_job_only_for_its_own_fence_and_fails_refused_writes(
     make_worker: Any, redis_url: str, loop_engine: Engine
 ) -> None:

@@ -353,10 +353,14 @@ class Worker:
 
     def _put_writes(self) -> None:
         """Hand the writes over; an interactive job's make the writer send at once, bulk jobs'
-        go with its next send (``write_interval_s``)."""
+        go with its next send (``write_interval_s``), unless the engine has nothing left to run:
+        then no later step's writes can join them, and the last jobs of a batch would only
+        wait (up to 50 ms for a client polling for them)."""
         progress, finals = self.unsent_progress, self.unsent
-        urgent = any(p.lease.priority != "bulk" for p in progress) or any(
-            f.lease.priority != "bulk" for f in finals
+        urgent = (
+            not self.engine.has_unfinished()
+            or any(p.lease.priority != "bulk" for p in progress)
+            or any(f.lease.priority != "bulk" for f in finals)
         )
         self.writer.put(progress, finals, cancels=bool(self.jobs), urgent=urgent)
         self.unsent_progress, self.unsent = [], []
