@@ -36,6 +36,22 @@ def test_silu_mul_matches_torch(rows: int, inter: int) -> None:
     torch.testing.assert_close(got, want, rtol=4e-7, atol=1e-30)
 
 
+@pytest.mark.parametrize("inter", [8, 24, 40, 1536, 1543])
+def test_silu_mul_wide_and_8_float_builds_agree_bit_for_bit(inter: int) -> None:
+    """The build's widest vectors (16 floats under AVX-512), then 8-float steps, then scalars:
+    the same arithmetic per lane as the 8-float build (``-DPS_WIDE_LANES=8``, what an AVX2
+    machine compiles), so the outputs are identical, tails included."""
+    from kernels import native
+
+    narrow = fused.FusedOps(
+        native.build(source=fused.SOURCE, flags=[*fused.FLAGS, "-DPS_WIDE_LANES=8"])
+    )
+    g = torch.Generator().manual_seed(inter)
+    gate_up = torch.randn(5, 2 * inter, generator=g) * 8
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    assert torch.equal(_ops().silu_mul(gate_up, inter), narrow.silu_mul(gate_up, inter))
+
+
 def test_silu_mul_reads_strided_rows() -> None:
     """A row-sliced projection output (rows a stride apart) is read where it lies."""
     big = torch.randn(10, 2 * 64)
