@@ -114,7 +114,7 @@ class Engine:
         Then the youngest generation's threshold goes up to :data:`GC_GEN0_THRESHOLD` (never
         down): a step over a few hundred sequences holds more than Python's default of 700 new
         containers at once (its outputs, per-sequence lists), so nearly every step ran a young
-        collection that found no garbage, reference counting frees all of it. Off with
+        collection that found no garbage (reference counting frees all of it). Off with
         ``freeze_gc=False`` (``--no-freeze-gc``), both."""
         gc.collect()
         gc.freeze()
