@@ -282,7 +282,7 @@ def test_loading_freezes_the_heap_and_raises_the_young_threshold(make_tiny_model
     from worker.engine import GC_GEN0_THRESHOLD
 
     model_dir = make_tiny_model("llama")
-    saved = gc.get_threshold()
+    saved, was_frozen = gc.get_threshold(), gc.get_freeze_count() > 0
     try:
         gc.unfreeze()
         gc.set_threshold(700, *saved[1:])
@@ -296,4 +296,6 @@ def test_loading_freezes_the_heap_and_raises_the_young_threshold(make_tiny_model
         assert gc.get_threshold()[0] == 5 * GC_GEN0_THRESHOLD
     finally:
         gc.unfreeze()
+        if was_frozen:  # as the engines loaded before this test left the process
+            gc.freeze()
         gc.set_threshold(*saved)

@@ -355,7 +355,7 @@ class Worker:
         """Hand the writes over; an interactive job's make the writer send at once, bulk jobs'
         go with its next send (``write_interval_s``), unless the engine has nothing left to run:
         then no later step's writes can join them, and the last jobs of a batch would only
-        wait (up to 50 ms for a client polling for them)."""
+        wait for that send."""
         progress, finals = self.unsent_progress, self.unsent
         urgent = (
             not self.engine.has_unfinished()

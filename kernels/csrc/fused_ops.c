@@ -38,17 +38,16 @@
 static inline v8sf ps_ld(const float *p) { return *(const v8sf_u *)p; }
 static inline void ps_st(float *p, v8sf v) { *(v8sf_u *)p = v; }
 
-/* exp(x) for any x: clamped above to 88.3 (below, ps_exp8 / ps_wexp clamp at -87.3). */
-static inline v8sf ps_exp8_any(v8sf x) {
-    const v8sf hi = ps_splat(88.3f);
-    v8si above = x > hi;
-    return ps_exp8((v8sf)(((v8si)x & ~above) | ((v8si)hi & above)));
-}
-static inline vwsf ps_wexp_any(vwsf x) {
-    const vwsf hi = ps_wsplat(88.3f);
-    vwsi above = x > hi;
-    return ps_wexp((vwsf)(((vwsi)x & ~above) | ((vwsi)hi & above)));
-}
+/* exp(x) for any x: clamped above to 88.3 (below, ps_exp8 / ps_wexp clamp at -87.3); one
+ * definition for both vector types, as ps_vec.h defines the exps. */
+#define PS_DEFINE_EXP_ANY(name, exp, vf, vi, splat)                                         \
+    static inline vf name(vf x) {                                                           \
+        const vf hi = splat(88.3f);                                                         \
+        const vi above = x > hi;                                                            \
+        return exp((vf)(((vi)x & ~above) | ((vi)hi & above)));                              \
+    }
+PS_DEFINE_EXP_ANY(ps_exp8_any, ps_exp8, v8sf, v8si, ps_splat)
+PS_DEFINE_EXP_ANY(ps_wexp_any, ps_wexp, vwsf, vwsi, ps_wsplat)
 
 static inline float ps_silu1(float g) { return g / (1.0f + expf(-g)); }
 
