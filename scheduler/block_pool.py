@@ -53,6 +53,8 @@ class BlockState(IntEnum):
 
 #: Reference count (0..255) -> state code, for ``bytes.translate``.
 _REF_STATES = bytes([BlockState.FREE, BlockState.IN_USE] + [BlockState.SHARED] * 254)
+#: Reference count (0..255) -> 1 if unreferenced, else 0.
+_UNREFERENCED = bytes([1] + [0] * 255)
 
 
 @dataclass(slots=True)
@@ -109,6 +111,9 @@ class BlockPool:
         self._hash_of: list[BlockHash | None] = [None] * num_blocks
         self._tokens_of: list[tuple[int, ...] | None] = [None] * num_blocks
         self._cached: dict[BlockHash, int] = {}
+        #: One byte per block, 1 while it holds a registered prefix (``_hash_of`` is set): the
+        #: snapshot's cached blocks are these and the unreferenced ones, in bytes operations.
+        self._hashed = bytearray(num_blocks)
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.stats = PrefixCacheStats()
 
@@ -180,6 +185,7 @@ class BlockPool:
             return  # an identical block is cached already; this one stays private
         self._cached[block_hash] = block
         self._hash_of[block] = block_hash
+        self._hashed[block] = 1
         self._tokens_of[block] = tuple(tokens)
 
     def _evict(self, block: int) -> None:
@@ -187,25 +193,33 @@ class BlockPool:
         if h is not None:
             del self._cached[h]
             self._hash_of[block] = None
+            self._hashed[block] = 0
             self._tokens_of[block] = None
 
     # --------------------------------------------------------------- snapshot
     def occupancy(self) -> PoolOccupancy:
-        """The pool's snapshot. The heartbeat takes one a second: the per-block pass runs in C
-        (reference counts as bytes, clamped to 255, translated to state codes); only cached
-        blocks are visited in Python. (A Python loop over every block took ~5 ms at 32k.)"""
+        """The pool's snapshot. The heartbeat takes one a second, on the worker's loop: every
+        per-block pass runs in C (reference counts as bytes, clamped to 255, translated to state
+        codes; the cached blocks are the unreferenced ones among those holding a prefix, one AND
+        of two byte masks read as integers). A Python loop over the cached blocks took 3 ms at
+        16k blocks (half of them cached), 8 ms at 64k: ~0.5% of a fast worker's loop."""
+        n = self.num_blocks
         try:
             refs = bytes(self.ref_counts)  # every count below 256: the usual case
         except ValueError:
             refs = bytes(map(min, self.ref_counts, repeat(255)))
-        states = bytearray(refs.translate(_REF_STATES))
-        in_use = self.num_blocks - refs.count(0)
+        # Bytes are 0 or 1 in both masks, so the AND is per block; adding it, times CACHED - FREE,
+        # to the state codes turns FREE into CACHED exactly where a block is cached (no carry:
+        # those bytes are FREE, 0).
+        cached_mask = int.from_bytes(refs.translate(_UNREFERENCED), "little") & int.from_bytes(
+            self._hashed, "little"
+        )
+        codes = int.from_bytes(refs.translate(_REF_STATES), "little")
+        codes += (BlockState.CACHED - BlockState.FREE) * cached_mask
+        in_use = n - refs.count(0)
         shared = in_use - refs.count(1)
-        cached = 0
-        for b in self._cached.values():  # holding a reusable prefix: cached when unreferenced
-            if refs[b] == 0:
-                states[b] = BlockState.CACHED
-                cached += 1
+        cached = cached_mask.to_bytes(n, "little").count(1)
+        states = codes.to_bytes(n, "little")
         return PoolOccupancy(
             num_blocks=self.num_blocks,
             block_size=self.block_size,
@@ -213,5 +227,5 @@ class BlockPool:
             in_use=in_use,
             cached_evictable=cached,
             shared=shared,
-            block_states=bytes(states),
+            block_states=states,
         )
