@@ -21,7 +21,7 @@ import pytest
 from pagedserve.client import Client
 from pagedserve.prefix_sig import MAX_TOKENS, prefix_signature
 from pagedserve.schemas import ChatMessage, JobRequest, JobStatus
-from pagedserve.store import AdmissionRequest, JobStore
+from pagedserve.store import AdmissionRequest, Admitted, JobStore
 from pagedserve.telemetry import WorkerHeartbeat
 from tests.api_fixtures import make_app
 from tests.fixtures.workers import StartWorker, wait_for
@@ -109,23 +109,25 @@ def test_the_group_table_stays_bounded() -> None:
     only one free to evict and was dropped at once (KeyError; both load-test workers died);
     (2) owned idle groups were never evicted, so prompts that share nothing (one owned group
     each while its blocks stay cached) piled up without bound and every round probed them all
-    (``bench.service --preset tiny`` fell from 0.89 to 0.64 of offline over 5 rounds)."""
+    (``bench.service --preset tiny`` fell from 0.89 to 0.64 of offline over 5 rounds). Eviction
+    runs once per claim round (``_took``), never on the groups that round touched."""
     adm = PrefixAdmission(ServiceConfig(worker_id="w"), engine=None, jobs={})
     for i in range(MAX_GROUPS):
         g = adm._group(f"s{i}")
         g.owned = True
         g.running.add(f"job-{i}")
-    g = adm._group("new")
-    assert g.sig == "new" and next(reversed(adm.groups)) == "new"
+    adm._took(Admitted([], {}, ["new"], []))  # owned, nothing running here yet
+    assert next(reversed(adm.groups)) == "new" and adm.groups["new"].owned
     assert len(adm.groups) == MAX_GROUPS + 1  # everything else runs here: nothing may go
     for i in range(1, MAX_GROUPS):
         adm.groups[f"s{i}"].running.clear()  # s0 still runs; the others are idle and owned
-    adm._group("newer")  # the least recently used idle ones make room, down to the limit
+    adm._took(Admitted([], {}, ["newer"], []))  # the least recently used idle ones make room
     assert len(adm.groups) == MAX_GROUPS and {"s0", "new", "newer"} <= set(adm.groups)
     assert adm._released == ["s1", "s2"]  # their affinities go at the next heartbeat
-    for i in range(500):  # a stream of prompts that share nothing
-        adm._group(f"x{i}").owned = True
-    assert len(adm.groups) == MAX_GROUPS and "s0" in adm.groups
+    for i in range(50):  # a stream of prompts that share nothing, ten per claim round
+        adm._took(Admitted([], {}, [f"x{i}-{k}" for k in range(10)], []))
+        assert len(adm.groups) == MAX_GROUPS and "s0" in adm.groups
+    assert set(adm.groups) >= {f"x49-{k}" for k in range(10)}  # the last round's stay
 
 
 def test_the_signature_is_stored_with_the_job_and_its_entry(redis_url: str) -> None:
