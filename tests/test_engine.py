@@ -299,3 +299,33 @@ def test_loading_freezes_the_heap_and_raises_the_young_threshold(make_tiny_model
         if was_frozen:  # as the engines loaded before this test left the process
             gc.freeze()
         gc.set_threshold(*saved)
+
+
+@pytest.mark.parametrize("which", ["llama", "qwen2", "smollm2"])
+def test_the_direct_decoder_renders_what_the_tokenizer_decodes(
+    which: str, make_tiny_model, request: pytest.FixtureRequest
+) -> None:
+    """The detokenizer calls a fast tokenizer's Rust ``decode`` directly (``decoder_of``): the
+    text must be what ``tokenizer.decode`` gives, window by window, with and without special
+    tokens, for the tiny checkpoints' tokenizers and the real SmolLM2's."""
+    from worker.detokenizer import decoder_of
+    from worker.engine import _load_tokenizer
+
+    if which == "smollm2":
+        model_dir = request.getfixturevalue("real_model_dir")
+    else:
+        model_dir = make_tiny_model(which)
+    tok = _load_tokenizer(model_dir)
+    assert tok is not None
+    rng = random.Random(7)
+    specials = list(tok.all_special_ids)
+    text = "Grüß dich, 日本語 — ça va? ✓ def main():\n    return 42  # ok"
+    ids = tok.encode(text, add_special_tokens=False)
+    for skip in (True, False):
+        fast = decoder_of(tok, skip)
+        assert fast.func is not tok.decode  # the direct path, for these tokenizers
+        windows = [ids[i : i + n] for i in range(len(ids)) for n in (1, 2, 7)]
+        windows += [rng.sample(range(tok.vocab_size), 12) + rng.sample(specials, 1)
+                    for _ in range(200)]  # fmt: skip
+        for w in windows:
+            assert fast(w) == tok.decode(w, skip_special_tokens=skip), w
