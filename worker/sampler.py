@@ -29,6 +29,12 @@ def _has_penalties(p: SamplingParams) -> bool:
     return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
 
 
+def needs_history(p: SamplingParams) -> bool:
+    """Whether sampling reads the row's token history (``SampleRow``'s token ids): penalties
+    only. Rows that do not are built without copying it (an O(length) slice per row per step)."""
+    return _has_penalties(p)
+
+
 def apply_penalties(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
     """OpenAI presence/frequency penalties on output tokens; HF-style repetition penalty on all."""
     p = row.params
