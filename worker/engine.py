@@ -32,7 +32,7 @@ from worker.model_runner import ModelRunner
 from worker.model_source import resolve_model, served_model_name
 from worker.outputs import EngineConfig, RequestOutput, RequestRejected
 from worker.request_state import CompletionState, RequestState, new_completion
-from worker.sampler import Sampler, SampleRow, needs_history
+from worker.sampler import Sampler, SampleRow, has_penalties
 from worker.structured import ConstraintError, GrammarState, StructuredDecoding
 
 log = logging.getLogger(__name__)
@@ -284,7 +284,7 @@ class Engine:
                 SampleRow(
                     req.params,
                     req.prompt_token_ids,
-                    seq.output_token_ids if needs_history(req.params) else [],
+                    seq.output_token_ids if has_penalties(req.params) else [],
                     [c.generator for c in comps],
                     n=len(comps),
                 )

@@ -25,14 +25,10 @@ class SampleRow:
     n: int = 1
 
 
-def _has_penalties(p: SamplingParams) -> bool:
-    return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
-
-
-def needs_history(p: SamplingParams) -> bool:
+def has_penalties(p: SamplingParams) -> bool:
     """Whether sampling reads the row's token history (``SampleRow``'s token ids): penalties
-    only. Rows that do not are built without copying it (an O(length) slice per row per step)."""
-    return _has_penalties(p)
+    only. Rows without are built without copying it (an O(length) slice per row per step)."""
+    return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
 
 
 def apply_penalties(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
@@ -87,7 +83,7 @@ class Sampler:
         simple = [
             i
             for i, r in enumerate(rows)
-            if r.params.temperature == 0.0 and r.n == 1 and not _has_penalties(r.params)
+            if r.params.temperature == 0.0 and r.n == 1 and not has_penalties(r.params)
         ]
         if simple:
             if len(simple) == len(rows):
@@ -102,7 +98,7 @@ class Sampler:
             if i in done:
                 continue
             x = logits[i].clone()
-            if _has_penalties(row.params):
+            if has_penalties(row.params):
                 x = apply_penalties(x, row)
             if row.params.temperature == 0.0:
                 out[i] = [int(torch.argmax(x))] * row.n
