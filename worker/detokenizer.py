@@ -49,28 +49,26 @@ class IncrementalDetokenizer:
     stop: list[str] = field(default_factory=list)
     include_stop: bool = False
     skip_special_tokens: bool = True
-    tokens: list[int] = field(default_factory=list)
     text: str = ""  # everything decoded so far (before stop-string truncation)
     emitted: int = 0  # characters of ``text`` already handed out
-    _prefix: int = 0  # index into prompt_tail + tokens where the decode window starts
+    _prefix: int = 0  # index into ``_ids`` where the decode window starts
     _read: int = 0  # index where the not-yet-rendered tokens start
     _decode: Callable[[list[int]], str] = field(init=False, repr=False)
-    #: ``prompt_tail + tokens``, kept extended: the decode windows are slices of it (building
-    #: it anew for every token copied the whole completion each step).
-    _all: list[int] = field(init=False, repr=False)
+    #: The prompt's tail, then every token added: the decode windows are slices of it (one
+    #: list kept extended; building it anew for every token copied the whole completion).
+    _ids: list[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.prompt_tail = self.prompt_tail[-_LOOKBACK:]
         self._prefix = 0
         self._read = len(self.prompt_tail)
         self._decode = decoder_of(self.tokenizer, self.skip_special_tokens)
-        self._all = self.prompt_tail + self.tokens
+        self._ids = list(self.prompt_tail)
 
     def add(self, token_ids: list[int]) -> tuple[str, bool]:
         """Append tokens; return (the text safe to emit now, whether a stop string was hit)."""
-        self.tokens.extend(token_ids)
-        self._all.extend(token_ids)
-        allids = self._all
+        allids = self._ids
+        allids.extend(token_ids)
         prefix_text = self._decode(allids[self._prefix : self._read])
         new_text = self._decode(allids[self._prefix :])
         pending = len(allids) - self._read
@@ -87,7 +85,7 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end of generation: whatever is left (a held-back tail, a dangling byte)."""
-        allids = self._all
+        allids = self._ids
         rest = self._decode(allids[self._prefix :])
         head = self._decode(allids[self._prefix : self._read])
         if len(rest) > len(head):
