@@ -346,14 +346,17 @@ def throughput_workload(wl: Workload, systems: list[str], ctx: dict[str, Any]) -
     return body
 
 
-def prefix_workload(wl: Workload, ctx: dict[str, Any]) -> dict[str, Any]:
-    on = run_system("ours", wl, ctx, {"enable_prefix_caching": True}, f"{wl.name}-ours-on")
+def prefix_workload(wl: Workload, systems: list[str], ctx: dict[str, Any]) -> dict[str, Any]:
+    """``shared-prefix``: every system with its prefix cache on (``ours``, ``base``, ``vllm``;
+    the transformers peers have none), rounds alternating as in :func:`throughput_workload`,
+    then ours once with it off (``ours-prefix-off``, the ``prefix_on/off`` ratio)."""
+    body = throughput_workload(wl, systems, ctx)
+    on = body["systems"]["ours"]
     off = run_system("ours", wl, ctx, {"enable_prefix_caching": False}, f"{wl.name}-ours-off")
-    return {
-        "systems": {"ours-prefix-on": on, "ours-prefix-off": off},
-        "ratios": {"prefix_on/off": ratio(on, off)},
-        "prefix_hit_rate": on.get("prefix_hit_rate"),
-    }
+    body["systems"]["ours-prefix-off"] = off
+    body["ratios"]["prefix_on/off"] = ratio(on, off)
+    body["prefix_hit_rate"] = on.get("prefix_hit_rate")
+    return body
 
 
 def workload_summary(wl: Workload) -> dict[str, Any]:
@@ -452,7 +455,7 @@ def main(argv: list[str] | None = None) -> None:
         for name in pick_workloads(args):
             wl = make_workload(name, preset, vocab, args.seed)
             if name == "shared-prefix":
-                body = prefix_workload(wl, ctx) if "ours" in systems else {}
+                body = prefix_workload(wl, systems, ctx) if "ours" in systems else {}
             else:
                 body = throughput_workload(wl, systems, ctx)
             results[name] = {**workload_summary(wl), **body}

@@ -190,8 +190,9 @@ def test_quick_run_end_to_end(tiny_model_dir: Path, flops_per_token: float) -> N
         expected = round(ours["output_tok_s"] / body["systems"]["hf-static"]["output_tok_s"], 2)
         assert body["ratios"]["ours/hf-static"] == expected
     shared = line["workloads"]["shared-prefix"]
-    on, off = shared["systems"]["ours-prefix-on"], shared["systems"]["ours-prefix-off"]
-    assert on["ok"] and off["ok"]
+    on, off = shared["systems"]["ours"], shared["systems"]["ours-prefix-off"]
+    assert on["ok"] and off["ok"] and shared["systems"]["hf-static"]["ok"]
+    assert shared["ratios"]["prefix_on/off"] == round(on["output_tok_s"] / off["output_tok_s"], 2)
     assert shared["prefix_hit_rate"] > 0.5  # a 1024-token system prompt ahead of short suffixes
     assert off["prefix_hit_tokens"] == 0
 

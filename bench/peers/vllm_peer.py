@@ -26,6 +26,8 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         max_model_len=opts.get("max_model_len", 1024),
         enforce_eager=True,
         seed=0,
+        # its default on x86 CPUs already; explicit, so that shared-prefix compares caches
+        enable_prefix_caching=opts.get("enable_prefix_caching", True),
     )
     warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     llm.generate([{"prompt_token_ids": job["warmup_prompt"]}], warm, use_tqdm=False)
@@ -40,10 +42,14 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         len(o.outputs[0].token_ids) != n for o, n in zip(outs, job["max_tokens"], strict=True)
     )
     out_tokens = sum(job["max_tokens"])
+    prompt_tokens = sum(len(p) for p in job["prompts"])
+    cached = sum(o.num_cached_tokens or 0 for o in outs)  # prompt tokens its prefix cache served
     return {
         "system": "vllm",
         "wall_s": round(wall, 3),
-        "prompt_tokens": sum(len(p) for p in job["prompts"]),
+        "prompt_tokens": prompt_tokens,
+        "prefix_hit_tokens": cached,
+        "prefix_hit_rate": round(cached / prompt_tokens, 4) if prompt_tokens else 0.0,
         "output_tokens": out_tokens,
         "output_tok_s": round(out_tokens / wall, 1),
         "length_mismatches": wrong,
