@@ -1,13 +1,15 @@
 """``bench.throughput`` over several models and workloads, summarised: one JSON line.
 
 Issue #17's targets are per model (the bench checkpoint and the real SmolLM2-135M) and per
-workload (``mixed``, ``uniform``). This runs ``python -m bench.throughput`` once per model and
+workload (``mixed``, ``uniform``; ``shared-prefix`` too, where the systems with a prefix cache
+are compared with it on). This runs ``python -m bench.throughput`` once per model and
 workload (each a fresh process; systems alternate inside it as ``--repeats`` says) and prints
 a ``table`` with, per model x workload x system, the median output tok/s, its MFU and every
 run's figure, plus the ratios and paired ratios of ``ours`` against each other system; the
 full ``bench.throughput`` lines follow under ``runs``.
 
-    python -m bench.compare_models [--models bench,smollm2] [--workloads mixed,uniform]
+    python -m bench.compare_models [--models bench,smollm2]
+        [--workloads mixed,uniform,shared-prefix]
         [--systems ours,vllm] [--vllm-python PATH] [--base DIR] [--repeats 3]
         [--bench-preset full] [--real-preset smollm2] [--requests N] [--threads 2]
 
@@ -30,7 +32,7 @@ from bench.throughput import REPO
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--models", default="bench,smollm2")
-    ap.add_argument("--workloads", default="mixed,uniform")
+    ap.add_argument("--workloads", default="mixed,uniform,shared-prefix")
     ap.add_argument("--systems", default="ours,vllm")
     ap.add_argument("--vllm-python")
     ap.add_argument("--base", help="checkout run as system 'base' (A/B)")
