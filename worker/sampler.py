@@ -20,6 +20,7 @@ class SampleRow:
 
     params: SamplingParams
     prompt_token_ids: list[int]
+    #: the history penalties read; the engine passes [] when ``has_penalties`` is false
     output_token_ids: list[int]
     generators: list[torch.Generator | None]  # one per draw
     n: int = 1
