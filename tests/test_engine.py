@@ -273,6 +273,51 @@ def test_outputs_are_cumulative_and_abort_returns_the_partial_output(make_tiny_m
     assert engine.abort("a") is None and engine.abort("never") is None
 
 
+def test_unstreamed_requests_report_first_token_and_end_and_snapshot_between(
+    make_tiny_model,
+) -> None:
+    """``stream=False``: step reports the request at its first token and at its end only;
+    ``snapshot`` in between holds everything so far with deltas since the previous output;
+    the tokens and text equal those of the same request streamed (greedy, same batch)."""
+    model_dir = make_tiny_model("llama")
+    llm = LLM(model_dir, num_kv_blocks=64)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, n=2, seed=1)
+    engine.add_request("lazy", "def main():", params, stream=False)
+    engine.add_request("live", "def main():", params)
+    assert engine.snapshot("lazy") is not None  # before its first token: nothing yet
+    reports: list[int] = []  # steps at which "lazy" was reported
+    live_steps = 0
+    step = 0
+    final = {}
+    seen: dict[int, list[int]] = {0: [], 1: []}
+    while engine.has_unfinished():
+        step += 1
+        for out in engine.step():
+            live_steps += out.request_id == "live"
+            if out.request_id == "lazy":
+                reports.append(step)
+                for c in out.outputs:
+                    assert c.token_ids == seen[c.index] + c.new_token_ids
+                    seen[c.index] = list(c.token_ids)
+            if out.finished:
+                final[out.request_id] = out
+        if step in (6, 11):  # a caller reading progress at intervals
+            snap = engine.snapshot("lazy")
+            assert snap is not None and not snap.finished
+            for c in snap.outputs:
+                assert c.token_ids == seen[c.index] + c.new_token_ids
+                seen[c.index] = list(c.token_ids)
+            assert all(len(ids) >= 3 for ids in seen.values())
+    assert len(reports) == 2 and live_steps >= 20  # first token and end vs every step
+    assert engine.snapshot("lazy") is None  # finished: reported by step, then gone
+    lazy, live = final["lazy"], final["live"]
+    assert [(c.token_ids, c.text) for c in lazy.outputs] == [
+        (c.token_ids, c.text) for c in live.outputs
+    ]
+    assert all(len(c.token_ids) == 24 for c in lazy.outputs)  # (its deltas checked above)
+
+
 def test_loading_freezes_the_heap_and_raises_the_young_threshold(make_tiny_model) -> None:
     """``freeze_gc`` (the default): after loading, what exists is frozen and the youngest
     generation's threshold is at least ``GC_GEN0_THRESHOLD`` (a higher one is kept); with

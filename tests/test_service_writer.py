@@ -296,9 +296,9 @@ def test_bulk_jobs_progress_is_written_at_its_own_interval(
     long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
     fast, bulk = client.submit([5, 6, 7], long), client.submit([5, 6, 7], long, priority="bulk")
 
-    def generated(jid: str) -> int:
-        st = w.jobs.get(jid)
-        return 0 if st is None or st.latest is None else len(st.latest.outputs[0].token_ids)
+    def generated(jid: str) -> int:  # the engine's count (the worker reads it at flushes)
+        out = w.engine.snapshot(jid)
+        return 0 if out is None else len(out.outputs[0].token_ids)
 
     run_loop_until(w, lambda: min(generated(fast), generated(bulk)) >= 40)
     assert w.writer.flush(10)

@@ -49,10 +49,10 @@ class LLM:
                 if isinstance(prompt, dict):
                     self.engine.add_request(
                         rid, prompt.get("prompt_token_ids", prompt.get("prompt")), p, priority,
-                        messages=prompt.get("messages"),
+                        messages=prompt.get("messages"), stream=False,
                     )  # fmt: skip
-                else:
-                    self.engine.add_request(rid, prompt, p, priority)
+                else:  # only the final outputs are read: no per-step outputs
+                    self.engine.add_request(rid, prompt, p, priority, stream=False)
             except ValueError as exc:
                 results[rid] = RequestOutput(rid, [], [], finished=True, error=str(exc))
         show = use_tqdm if use_tqdm is not None else len(batch) >= 32

@@ -60,13 +60,18 @@ class RequestState:
     forked: bool = False  # n > 1: children created at the parent's first sample
     first_token_at: float | None = None
     num_cached_tokens: int = 0
+    #: False: the engine's step reports this request only the first time it changes (its first
+    #: token) and when it finishes; :meth:`Engine.snapshot` gives its output in between.
+    stream: bool = True
+    reported: bool = False  # in a step's outputs at least once
 
     @property
     def finished(self) -> bool:
         return all(c.out.finish_reason is not None for c in self.completions)
 
     def output(self) -> RequestOutput:
-        """This step's output: the cumulative state of every completion, deltas derived."""
+        """This step's output: the cumulative state of every completion, deltas derived (since
+        the previous output of this request)."""
         return RequestOutput(
             self.request_id,
             self.prompt_token_ids,

@@ -198,6 +198,7 @@ class Worker:
                 req.params,
                 priority=lease.priority,
                 messages=messages,
+                stream=False,  # progress is read at intervals (step), not every step
             )
         except RequestRejected as e:
             self._fail(lease, f"rejected: {e}")
@@ -220,7 +221,7 @@ class Worker:
                 if isinstance(got, BaseException):
                     raise got
                 params, prio = st.lease.request.params, st.lease.priority
-                self.engine.add_request(lease.job_id, got, params, priority=prio)
+                self.engine.add_request(lease.job_id, got, params, priority=prio, stream=False)
             except Exception as e:  # as in _admit_one: the job fails, the worker goes on
                 self.jobs.pop(lease.job_id, None)
                 msg = str(e) if isinstance(e, RequestRejected) else f"{type(e).__name__}: {e}"
@@ -328,6 +329,8 @@ class Worker:
                 self.next_bulk_flush = now + self.cfg.bulk_progress_interval_s
             flush += [st for st in jobs.values() if every or st.lease.priority != "bulk"]
         for st in flush:
+            if st.latest is not None and not st.latest.finished:  # the engine has its tokens
+                st.latest = self.engine.snapshot(st.lease.job_id) or st.latest
             self.unsent_progress += st.take_progress()
 
     def _finish(self, st: JobState, out: RequestOutput) -> None:
