@@ -75,6 +75,13 @@ from kernels.torch_plan import (
     prefill_work,
 )
 
+#: With the C decode kernel, the least K+V bytes per layer of a shared prefix that gets a
+#: cascade group. Measured on 2 Zen 4 cores (decode only, 32 / 96 rows, 8/4 and 9/3 heads of
+#: 64): per-row reads in the kernel against the cascade 0.97-1.25x as fast at 1.5-2 MB, 0.88-1.17x
+#: at 6-8 MB, 0.91-1.14x at 12-16 MB; in the engine (``shared-prefix``, 1024 shared tokens,
+#: 1.5-2 MB) no group at all ran 1.03x (bench model) and 1.16x (SmolLM2) the cascade's rate.
+CASCADE_MIN_BYTES = 8 << 20
+
 
 def _make_decode_plan(
     plan: StepPlan,
@@ -87,12 +94,22 @@ def _make_decode_plan(
     shared_prefix: bool = True,
     native: bool = False,
     tiled_prefill: bool = False,
+    cascade_min_bytes: int = CASCADE_MIN_BYTES,
 ) -> DecodePlan:
     rows = decode_rows(plan, meta, block_size, window)
     shared: list[SharedGroup] = []
     prefill_shared: list[tuple[int, slice] | None] = [None] * len(plan.prefill)
     if shared_prefix and window is None and len(rows) + len(plan.prefill) >= 2:
-        shared, prefill_shared = split_shared(plan, meta, rows, block_size)
+        # With the C kernels, a group is formed only for a prefix too large to stay in the
+        # CPU's caches, and never for a prefill chunk the tiled kernel takes: below that the
+        # kernels read the prefix's blocks in place, hot, as fast as the group's flash call
+        # reads them once, without the merges (bench/README.md, issue #17's sixteenth session).
+        grouped = [
+            not (native and tiled_prefill and pre.seq_len <= TILED_PREFILL_MAX_LEN)
+            for pre in plan.prefill
+        ]
+        min_blocks = -(-cascade_min_bytes // (block_size * token_bytes)) if native else 1
+        shared, prefill_shared = split_shared(plan, meta, rows, block_size, grouped, min_blocks)
     device = meta.block_tables.device
     prefill = [
         prefill_work(pre, sh, block_size, window, cdt, device)
@@ -129,15 +146,21 @@ class TorchBackend:
         native: bool | None = None,
         kernel: NativeDecode | None = None,
         tiled_prefill: bool | None = None,
+        cascade_min_bytes: int | None = None,
     ) -> None:
         """``native``: decode rows through the C kernel (:mod:`kernels.native`) where it
         covers the dtype and shapes; None uses it when it builds, True requires it, False keeps
         every step in torch. ``kernel``: that loaded build instead of this machine's default
         (the tests run another build through it). ``tiled_prefill``: the prefill chunks that
         join the C kernel go to its tiled prefill kernel (where the head size allows) rather
-        than one decode row per token; None reads ``PAGEDSERVE_TILED_PREFILL`` (default on)."""
+        than one decode row per token; None reads ``PAGEDSERVE_TILED_PREFILL`` (default on).
+        ``cascade_min_bytes``: with the C kernel, the least K+V bytes per layer of a shared
+        prefix that gets a cascade group (None: ``CASCADE_MIN_BYTES``)."""
         self._chunk_bytes = chunk_bytes
         self._shared_prefix = shared_prefix  # False: every decode gathers its whole context
+        self._cascade_min_bytes = (
+            CASCADE_MIN_BYTES if cascade_min_bytes is None else cascade_min_bytes
+        )
         self._native: NativeDecode | None = kernel
         if kernel is None and (native is None or native):
             self._native = native_kernel.load()
@@ -213,6 +236,7 @@ class TorchBackend:
                 self._shared_prefix,
                 native,
                 tiled,
+                self._cascade_min_bytes,
             )
             plan.decode[key] = decode
         return decode

@@ -25,8 +25,11 @@ def _common_prefix(tables: list[list[int]], limit: int) -> int:
     return n
 
 
-def _find_shared_groups(limits: list[int], tables: list[list[int]]) -> list[tuple[list[int], int]]:
-    """``(member indices, shared full blocks)`` for sequences whose tables start alike.
+def _find_shared_groups(
+    limits: list[int], tables: list[list[int]], min_blocks: int = 1
+) -> list[tuple[list[int], int]]:
+    """``(member indices, shared full blocks)`` for sequences whose tables start alike (groups
+    sharing fewer than ``min_blocks`` blocks are left out).
 
     Candidates are grouped by their first block id; a group's prefix is the common leading run
     of identical block ids, at most each member's ``limit`` (the full blocks that every one of
@@ -43,7 +46,7 @@ def _find_shared_groups(limits: list[int], tables: list[list[int]]) -> list[tupl
             continue
         limit = min(limits[i] for i in members)
         shared = _common_prefix([tables[i] for i in members], limit)
-        if shared >= 1:
+        if shared >= max(1, min_blocks):
             groups.append((members, shared))
     return groups
 
@@ -62,9 +65,15 @@ def _make_shared_group(
 
 
 def split_shared(
-    plan: StepPlan, meta: AttentionMetadata, rows: list[DecodeRow], block_size: int
+    plan: StepPlan,
+    meta: AttentionMetadata,
+    rows: list[DecodeRow],
+    block_size: int,
+    grouped_prefill: list[bool] | None = None,
+    min_blocks: int = 1,
 ) -> tuple[list[SharedGroup], list[tuple[int, slice] | None]]:
-    """Find the shared-prefix groups among decodes and prefills.
+    """Find the shared-prefix groups of at least ``min_blocks`` blocks among decodes and
+    prefills (only the prefills whose ``grouped_prefill`` entry is true, when given).
 
     Decode rows then read only their blocks after the prefix (``rows`` are updated). Returns the
     groups and, per prefill, ``(shared blocks, its rows of the shared results)`` or None. Group
@@ -75,8 +84,13 @@ def split_shared(
     tables = [plan.table_host[r.seq_index] for r in rows]
     tables += [plan.table_host[pre.seq_index] for pre in plan.prefill]
     limits = [(r.seq_len - 1) // block_size for r in rows]
-    limits += [(pre.seq_len - pre.query_len) // block_size for pre in plan.prefill]
-    groups = _find_shared_groups(limits, tables)
+    limits += [
+        (pre.seq_len - pre.query_len) // block_size
+        if grouped_prefill is None or grouped_prefill[k]
+        else 0  # never in a group
+        for k, pre in enumerate(plan.prefill)
+    ]
+    groups = _find_shared_groups(limits, tables, min_blocks)
     n = len(rows)
     for members, num_shared in groups:
         for i in members:

@@ -15,7 +15,7 @@ import torch
 
 from kernels import native, torch_plan
 from kernels.reference import reference_paged_attention
-from kernels.testing import make_batch
+from kernels.testing import PagedBatch, make_batch, share_prefix
 from kernels.torch_backend import TorchBackend
 from tests.test_kernels_torch import run_and_compare
 
@@ -333,3 +333,31 @@ def test_cache_dir_must_be_private(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
     assert not chosen.stat().st_mode & 0o077
     monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "mine"))
     assert native._cache_dir() == tmp_path / "mine"
+
+
+@needs_compiler
+@pytest.mark.parametrize("tiled", [True, False])
+def test_small_shared_prefixes_stay_in_the_kernels(tiled: bool) -> None:
+    """With the C kernel, a shared prefix below ``cascade_min_bytes`` of K+V per layer gets no
+    cascade group: the decodes (and the prefill chunk, in the tiled kernel) read its blocks in
+    place. At the threshold the decodes form a group; a prefill chunk the tiled kernel takes
+    stays out of it, one the decode rows take joins it. Every variant matches the reference."""
+    from tests.test_kernels_torch import shared_group_sizes
+
+    shared, block_size = 4, 16
+
+    def batch() -> PagedBatch:
+        b = make_batch([1, 1, 1, 20], [130, 150, 97, 120], num_heads=8, num_kv_heads=4,
+                       head_dim=64, block_size=block_size, seed=3)  # fmt: skip
+        return share_prefix(b, [0, 1, 2, 3], shared)
+
+    prefix_bytes = shared * block_size * 2 * 4 * 64 * 4  # blocks x tokens x (K, V) x heads x D
+    default = TorchBackend(native=True, tiled_prefill=tiled)
+    run_and_compare(batch(), backend=default)
+    assert shared_group_sizes(default) == []
+    at = TorchBackend(native=True, tiled_prefill=tiled, cascade_min_bytes=prefix_bytes)
+    run_and_compare(batch(), backend=at)
+    assert shared_group_sizes(at) == ([(3, shared)] if tiled else [(3 + 20, shared)])
+    above = TorchBackend(native=True, tiled_prefill=tiled, cascade_min_bytes=prefix_bytes + 1)
+    run_and_compare(batch(), backend=above)
+    assert shared_group_sizes(above) == []

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import get_backend
+from kernels import get_backend, torch_backend
 from kernels import native as native_kernel
 from kernels.reference import reference_paged_attention, reference_write_kv
 from kernels.testing import PagedBatch, make_batch, share_prefix
@@ -19,14 +19,18 @@ from kernels.torch_backend import TorchBackend
 @pytest.fixture(autouse=True, scope="module", params=["torch", "native"])
 def decode_path(request: pytest.FixtureRequest) -> Iterator[str]:
     """Every test twice: decodes in plain torch, and through the C kernel (float32 only; other
-    dtypes and shapes stay in torch either way). Module-scoped so hypothesis accepts it."""
-    original = native_kernel.load
+    dtypes and shapes stay in torch either way), with cascade groups for every shared prefix
+    (the C kernel's default leaves small ones to the kernel: tests/test_kernels_native.py).
+    Module-scoped so hypothesis accepts it."""
+    original, min_bytes = native_kernel.load, torch_backend.CASCADE_MIN_BYTES
     if request.param == "native" and original() is None:
         pytest.skip("the native decode kernel did not build here (no C compiler?)")
     if request.param == "torch":
         native_kernel.load = lambda: None
+    # the cascade's groups and merges are checked with the C kernel too, on small prefixes
+    torch_backend.CASCADE_MIN_BYTES = 0
     yield request.param
-    native_kernel.load = original
+    native_kernel.load, torch_backend.CASCADE_MIN_BYTES = original, min_bytes
 
 
 def run_and_compare(
@@ -340,7 +344,7 @@ def test_prefill_reading_a_shared_prefix() -> None:
         [1, 20, 1], [70, 84, 50], num_heads=8, num_kv_heads=4, head_dim=32, block_size=8, seed=2
     )
     batch = share_prefix(batch, [0, 1, 2], 6)
-    backend = TorchBackend()
+    backend = TorchBackend(tiled_prefill=False)  # the tiled C kernel's chunks stay out of groups
     run_and_compare(batch, backend=backend)
     assert shared_group_sizes(backend) == [(22, 6)]
 
@@ -423,6 +427,6 @@ def test_prefills_sharing_a_prefix(
         block_size=block_size, seed=block_size,
     )  # fmt: skip
     batch = share_prefix(batch, [0, 1, 2, 3, 4], shared)
-    backend = TorchBackend()
+    backend = TorchBackend(tiled_prefill=False)  # the tiled C kernel's chunks stay out of groups
     run_and_compare(batch, sliding_window=window, backend=backend)
     assert shared_group_sizes(backend) == ([] if window else [(20 + 33 + 1 + 7 + 1, shared)])
