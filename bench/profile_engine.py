@@ -1,4 +1,5 @@
-"""Where our engine's time goes on the bench model's ``mixed`` workload (no engine changes).
+"""Where our engine's time goes on one of bench.throughput's workloads (``mixed`` by default,
+``--workload uniform|shared-prefix``), on the bench model or ``--model`` (no engine changes).
 
 Pass 1 wraps engine, scheduler, runner, attention backend (and its C decode kernel), sampler,
 detokenizer and the projections (``worker.models.layers.linear``) with perf_counter accumulators
@@ -7,7 +8,8 @@ GFLOP/s by row count (``linear_by_rows``: rows rounded up to a power of two; dec
 tens of rows, prefill the thousands). Pass 2 (``--torch-profiler``) runs a smaller slice under
 torch.profiler and lists the top aten ops by self CPU time. Prints one JSON line.
 
-    python -m bench.profile_engine [--model DIR] [--requests 48] [--torch-profiler]
+    python -m bench.profile_engine [--model DIR] [--workload mixed] [--requests 48]
+        [--torch-profiler]
 """
 
 from __future__ import annotations
@@ -21,7 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import emit
-from bench.throughput import ensure_model, make_mixed, model_numbers
+from bench.throughput import (
+    ensure_model,
+    make_mixed,
+    make_shared_prefix,
+    make_uniform,
+    model_numbers,
+)
 
 TOTALS: dict[str, float] = defaultdict(float)
 CALLS: dict[str, int] = defaultdict(int)
@@ -113,12 +121,16 @@ def install_timers() -> None:
     patch(F, "linear", "F.linear")
 
 
-def run_mixed(model: Path, requests: int, vocab: int) -> tuple[float, int, int]:
+#: ``--workload``: the builders of bench.throughput's workloads (same prompts, seed 0).
+WORKLOADS = {"mixed": make_mixed, "uniform": make_uniform, "shared-prefix": make_shared_prefix}
+
+
+def run_workload(model: Path, workload: str, requests: int, vocab: int) -> tuple[float, int, int]:
     from pagedserve.params import SamplingParams
     from worker.llm import LLM
 
-    wl = make_mixed(requests, vocab, 0)
-    llm = LLM(model, dtype="float32", max_model_len=1024, kv_cache_memory=2 << 30)
+    wl = WORKLOADS[workload](requests, vocab, 0)
+    llm = LLM(model, dtype="float32", max_model_len=wl.max_model_len, kv_cache_memory=2 << 30)
     llm.generate([[10, 11, 12, 13]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     for acc in (TOTALS, CALLS, LINEAR_S, LINEAR_FLOPS):
         acc.clear()
@@ -147,11 +159,13 @@ def phase_table(wall: float) -> dict[str, Any]:
     return {"phases": table, "derived": derived}
 
 
-def torch_ops(model: Path, requests: int, vocab: int, top: int = 15) -> list[dict[str, Any]]:
+def torch_ops(
+    model: Path, workload: str, requests: int, vocab: int, top: int = 15
+) -> list[dict[str, Any]]:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        run_mixed(model, requests, vocab)
+        run_workload(model, workload, requests, vocab)
     rows = []
     events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
     total = sum(e.self_cpu_time_total for e in events) or 1
@@ -170,6 +184,7 @@ def torch_ops(model: Path, requests: int, vocab: int, top: int = 15) -> list[dic
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model")
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="mixed")
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--torch-profiler", action="store_true")
@@ -180,10 +195,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="profile-") as tmp:
         model = ensure_model(args.model, Path(tmp))
         vocab, _ = model_numbers(model)
-        ops = torch_ops(model, max(8, args.requests // 4), vocab) if args.torch_profiler else []
+        quarter = max(8, args.requests // 4)
+        ops = torch_ops(model, args.workload, quarter, vocab) if args.torch_profiler else []
         install_timers()
-        wall, ptok, otok = run_mixed(model, args.requests, vocab)
+        wall, ptok, otok = run_workload(model, args.workload, args.requests, vocab)
     figures = {
+        "workload": args.workload,
         "requests": args.requests,
         "prompt_tokens": ptok,
         "output_tokens": otok,
