@@ -13,6 +13,10 @@ while it is still in the CPU's caches:
   returns the log-sum-exp; each sequence attends to the rest of its context as below, and the two
   partial results are merged exactly: ``o = lerp(o_rest, o_prefix, sigmoid(lse_prefix -
   lse_rest))``. With a sliding window nothing is shared (every sequence reads its own window).
+  With the C kernels, a group is formed only for a prefix of at least ``CASCADE_MIN_BYTES`` of
+  K+V per layer (a smaller one stays in the CPU's caches, and the kernels read it in place as
+  fast as the group's flash call, without the merges), never for a prefill chunk the tiled
+  kernel takes.
 * decode tokens with float32 caches go to the C kernel of :mod:`kernels.native` when it is built:
   one call per layer for every decode row, reading its blocks in place through the block table
   (no gather), writing the output rows and their log-sum-exp for the shared-prefix merge. On
