@@ -277,7 +277,7 @@ class Engine:
         return [
             self._output(r)
             for r in changed.values()
-            if r.stream or not r.reported or r.finished  # (see add_request's ``stream``)
+            if r.stream or r.report_due  # (see add_request's ``stream``)
         ]
 
     def snapshot(self, request_id: str) -> RequestOutput | None:
@@ -390,11 +390,12 @@ class Engine:
 
     def _finish_completion(self, req: RequestState, comp: CompletionState, reason: str) -> None:
         comp.finish(reason)
+        req.report_due = True  # an unstreamed request's end is reported by step
         if comp.seq_id is not None:
             self._by_seq.pop(comp.seq_id, None)
 
     def _output(self, req: RequestState) -> RequestOutput:
-        req.reported = True
+        req.report_due = False
         out = req.output()
         if out.finished:
             self._requests.pop(req.request_id, None)

@@ -60,10 +60,10 @@ class RequestState:
     forked: bool = False  # n > 1: children created at the parent's first sample
     first_token_at: float | None = None
     num_cached_tokens: int = 0
-    #: False: the engine's step reports this request only the first time it changes (its first
-    #: token) and when it finishes; :meth:`Engine.snapshot` gives its output in between.
+    #: False: the engine's step reports this request only when ``report_due`` (its first token,
+    #: a completion's end); :meth:`Engine.snapshot` gives its output in between.
     stream: bool = True
-    reported: bool = False  # in a step's outputs at least once
+    report_due: bool = True  # cleared by each step output, set again when a completion ends
 
     @property
     def finished(self) -> bool:

@@ -329,7 +329,7 @@ class Worker:
                 self.next_bulk_flush = now + self.cfg.bulk_progress_interval_s
             flush += [st for st in jobs.values() if every or st.lease.priority != "bulk"]
         for st in flush:
-            if st.latest is not None and not st.latest.finished:  # the engine has its tokens
+            if st.latest is not None:  # started (finished jobs have left ``jobs``)
                 st.latest = self.engine.snapshot(st.lease.job_id) or st.latest
             self.unsent_progress += st.take_progress()
 
