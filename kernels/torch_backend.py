@@ -13,10 +13,10 @@ while it is still in the CPU's caches:
   returns the log-sum-exp; each sequence attends to the rest of its context as below, and the two
   partial results are merged exactly: ``o = lerp(o_rest, o_prefix, sigmoid(lse_prefix -
   lse_rest))``. With a sliding window nothing is shared (every sequence reads its own window).
-  With the C kernels, a group is formed only for a prefix of at least ``CASCADE_MIN_BYTES`` of
-  K+V per layer (a smaller one stays in the CPU's caches, and the kernels read it in place as
-  fast as the group's flash call, without the merges), never for a prefill chunk the tiled
-  kernel takes.
+  With the C kernels, a group is formed only where :class:`CascadePolicy` says the group's flash
+  call beats the kernels reading the prefix in place (which depends on the kernels' vector
+  width: a prefix of 8 MiB of K+V per layer with 16-float vectors, 32K query x shared tokens
+  with 8-float ones), never for a prefill chunk the tiled kernel takes.
 * decode tokens with float32 caches go to the C kernel of :mod:`kernels.native` when it is built:
   one call per layer for every decode row, reading its blocks in place through the block table
   (no gather), writing the output rows and their log-sum-exp for the shared-prefix merge. On
@@ -53,6 +53,8 @@ touches. Arithmetic is fp32 (fp64 stays fp64); the output has the query's dtype.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kernels import native as native_kernel
@@ -79,12 +81,37 @@ from kernels.torch_plan import (
     prefill_work,
 )
 
-#: With the C decode kernel, the least K+V bytes per layer of a shared prefix that gets a
-#: cascade group. Measured on 2 Zen 4 cores (decode only, 32 / 96 rows, 8/4 and 9/3 heads of
-#: 64): per-row reads in the kernel against the cascade 0.97-1.25x as fast at 1.5-2 MB, 0.88-1.17x
-#: at 6-8 MB, 0.91-1.14x at 12-16 MB; in the engine (``shared-prefix``, 1024 shared tokens,
-#: 1.5-2 MB) no group at all ran 1.03x (bench model) and 1.16x (SmolLM2) the cascade's rate.
-CASCADE_MIN_BYTES = 8 << 20
+
+@dataclass(frozen=True)
+class CascadePolicy:
+    """When a shared prefix gets a cascade group while the C kernels run (the torch path groups
+    every shared prefix): at least ``min_bytes`` of K+V per layer, and at least ``min_work``
+    query tokens x shared tokens in the group. Below that, each decode row reads the prefix's
+    blocks in place in the C kernel."""
+
+    min_bytes: int = 0
+    min_work: int = 0
+
+
+#: 16-float (AVX-512) builds of the C kernels. Measured on 2 Zen 4 cores (decode only, 32 / 96
+#: rows, 8/4 and 9/3 heads of 64): per-row reads in the kernel against the cascade 0.97-1.25x
+#: as fast at 1.5-2 MB, 0.88-1.17x at 6-8 MB, 0.91-1.14x at 12-16 MB; in the engine
+#: (``shared-prefix``, 1024 shared tokens, 1.5-2 MB) no group at all ran 1.03x (bench model) and
+#: 1.16x (SmolLM2) the cascade's rate.
+WIDE_CASCADE = CascadePolicy(min_bytes=8 << 20)
+#: 8-float (AVX2-only) builds: there the decode kernel is bound by its own arithmetic on hot
+#: blocks (bench/README.md, the twelfth session), and the group's flash call (GEMMs) wins once
+#: the group has work enough to pay for its gather and merges. Measured on 2 Zen 3 cores (16-96
+#: rows x 256-2048 shared tokens, 8/4 and 9/3 heads of 64): the cascade 0.60-0.92x the per-row
+#: reads at 8-16K query x shared tokens, 0.90-1.20x at 24K, 1.03-1.52x from 32K; in the engine
+#: (``shared-prefix``: 96K) the 8 MiB rule of the wide builds ran 0.85x (bench model) and 0.92x
+#: (SmolLM2) the rate of grouping every prefix (issue #17's seventeenth session).
+NARROW_CASCADE = CascadePolicy(min_work=32 * 1024)
+
+
+def cascade_policy(kernel: NativeDecode) -> CascadePolicy:
+    """The policy measured for the vector width ``kernel`` was built with."""
+    return WIDE_CASCADE if kernel.prefill_lanes >= 16 else NARROW_CASCADE
 
 
 def _make_decode_plan(
@@ -98,22 +125,25 @@ def _make_decode_plan(
     shared_prefix: bool = True,
     native: bool = False,
     tiled_prefill: bool = False,
-    cascade_min_bytes: int = CASCADE_MIN_BYTES,
+    cascade: CascadePolicy | None = None,
 ) -> DecodePlan:
     rows = decode_rows(plan, meta, block_size, window)
     shared: list[SharedGroup] = []
     prefill_shared: list[tuple[int, slice] | None] = [None] * len(plan.prefill)
     if shared_prefix and window is None and len(rows) + len(plan.prefill) >= 2:
-        # With the C kernels, a group is formed only for a prefix too large to stay in the
-        # CPU's caches, and never for a prefill chunk the tiled kernel takes: below that the
-        # kernels read the prefix's blocks in place, hot, as fast as the group's flash call
-        # reads them once, without the merges (bench/README.md, issue #17's sixteenth session).
+        # With the C kernels, a group is formed only where the policy measured it faster than
+        # the kernels reading the prefix's blocks in place (CascadePolicy), and never for a
+        # prefill chunk the tiled kernel takes (bench/README.md, issue #17's sixteenth and
+        # seventeenth sessions).
         grouped = [
             not (native and tiled_prefill and pre.seq_len <= TILED_PREFILL_MAX_LEN)
             for pre in plan.prefill
         ]
-        min_blocks = -(-cascade_min_bytes // (block_size * token_bytes)) if native else 1
-        shared, prefill_shared = split_shared(plan, meta, rows, block_size, grouped, min_blocks)
+        policy = cascade if native and cascade is not None else CascadePolicy()
+        min_blocks = -(-policy.min_bytes // (block_size * token_bytes))
+        shared, prefill_shared = split_shared(
+            plan, meta, rows, block_size, grouped, min_blocks, policy.min_work
+        )
     device = meta.block_tables.device
     prefill = [
         prefill_work(pre, sh, block_size, window, cdt, device)
@@ -150,7 +180,7 @@ class TorchBackend:
         native: bool | None = None,
         kernel: NativeDecode | None = None,
         tiled_prefill: bool | None = None,
-        cascade_min_bytes: int | None = None,
+        cascade: CascadePolicy | None = None,
     ) -> None:
         """``native``: decode rows through the C kernel (:mod:`kernels.native`) where it
         covers the dtype and shapes; None uses it when it builds, True requires it, False keeps
@@ -158,18 +188,18 @@ class TorchBackend:
         (the tests run another build through it). ``tiled_prefill``: the prefill chunks that
         join the C kernel go to its tiled prefill kernel (where the head size allows) rather
         than one decode row per token; None reads ``PAGEDSERVE_TILED_PREFILL`` (default on).
-        ``cascade_min_bytes``: with the C kernel, the least K+V bytes per layer of a shared
-        prefix that gets a cascade group (None: ``CASCADE_MIN_BYTES``)."""
+        ``cascade``: with the C kernel, which shared prefixes get a cascade group (None: the
+        policy measured for its vector width, :func:`cascade_policy`)."""
         self._chunk_bytes = chunk_bytes
         self._shared_prefix = shared_prefix  # False: every decode gathers its whole context
-        self._cascade_min_bytes = (
-            CASCADE_MIN_BYTES if cascade_min_bytes is None else cascade_min_bytes
-        )
         self._native: NativeDecode | None = kernel
         if kernel is None and (native is None or native):
             self._native = native_kernel.load()
             if native and self._native is None:
                 raise RuntimeError("the native CPU decode kernel could not be built or loaded")
+        if cascade is None and self._native is not None:
+            cascade = cascade_policy(self._native)
+        self._cascade = cascade
         if tiled_prefill is None:
             tiled_prefill = not native_kernel.switched_off(native_kernel.TILED_PREFILL_ENV)
         self._tiled_prefill = tiled_prefill
@@ -240,7 +270,7 @@ class TorchBackend:
                 self._shared_prefix,
                 native,
                 tiled,
-                self._cascade_min_bytes,
+                self._cascade,
             )
             plan.decode[key] = decode
         return decode

@@ -26,10 +26,15 @@ def _common_prefix(tables: list[list[int]], limit: int) -> int:
 
 
 def _find_shared_groups(
-    limits: list[int], tables: list[list[int]], min_blocks: int = 1
+    limits: list[int],
+    tables: list[list[int]],
+    queries: list[int],
+    min_blocks: int = 1,
+    min_work: int = 0,
 ) -> list[tuple[list[int], int]]:
     """``(member indices, shared full blocks)`` for sequences whose tables start alike (groups
-    sharing fewer than ``min_blocks`` blocks are left out).
+    sharing fewer than ``min_blocks`` blocks, or whose query tokens (``queries``, per
+    sequence) times shared blocks come to less than ``min_work``, are left out).
 
     Candidates are grouped by their first block id; a group's prefix is the common leading run
     of identical block ids, at most each member's ``limit`` (the full blocks that every one of
@@ -46,7 +51,8 @@ def _find_shared_groups(
             continue
         limit = min(limits[i] for i in members)
         shared = _common_prefix([tables[i] for i in members], limit)
-        if shared >= max(1, min_blocks):
+        work = shared * sum(queries[i] for i in members)
+        if shared >= max(1, min_blocks) and work >= min_work:
             groups.append((members, shared))
     return groups
 
@@ -71,9 +77,11 @@ def split_shared(
     block_size: int,
     grouped_prefill: list[bool] | None = None,
     min_blocks: int = 1,
+    min_work: int = 0,
 ) -> tuple[list[SharedGroup], list[tuple[int, slice] | None]]:
-    """Find the shared-prefix groups of at least ``min_blocks`` blocks among decodes and
-    prefills (only the prefills whose ``grouped_prefill`` entry is true, when given).
+    """Find the shared-prefix groups of at least ``min_blocks`` blocks and ``min_work``
+    query tokens x shared tokens among decodes and prefills (only the prefills whose
+    ``grouped_prefill`` entry is true, when given).
 
     Decode rows then read only their blocks after the prefix (``rows`` are updated). Returns the
     groups and, per prefill, ``(shared blocks, its rows of the shared results)`` or None. Group
@@ -90,7 +98,9 @@ def split_shared(
         else 0  # never in a group
         for k, pre in enumerate(plan.prefill)
     ]
-    groups = _find_shared_groups(limits, tables, min_blocks)
+    queries = [1] * len(rows) + [pre.query_len for pre in plan.prefill]
+    work_blocks = -(-min_work // block_size)
+    groups = _find_shared_groups(limits, tables, queries, min_blocks, work_blocks)
     n = len(rows)
     for members, num_shared in groups:
         for i in members:

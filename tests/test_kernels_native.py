@@ -16,7 +16,13 @@ import torch
 from kernels import native, torch_plan
 from kernels.reference import reference_paged_attention
 from kernels.testing import PagedBatch, make_batch, share_prefix
-from kernels.torch_backend import TorchBackend
+from kernels.torch_backend import (
+    NARROW_CASCADE,
+    WIDE_CASCADE,
+    CascadePolicy,
+    TorchBackend,
+    cascade_policy,
+)
 from tests.test_kernels_torch import run_and_compare
 
 needs_compiler = pytest.mark.skipif(
@@ -338,10 +344,11 @@ def test_cache_dir_must_be_private(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
 @needs_compiler
 @pytest.mark.parametrize("tiled", [True, False])
 def test_small_shared_prefixes_stay_in_the_kernels(tiled: bool) -> None:
-    """With the C kernel, a shared prefix below ``cascade_min_bytes`` of K+V per layer gets no
-    cascade group: the decodes (and the prefill chunk, in the tiled kernel) read its blocks in
-    place. At the threshold the decodes form a group; a prefill chunk the tiled kernel takes
-    stays out of it, one the decode rows take joins it. Every variant matches the reference."""
+    """With the C kernel, a shared prefix below the cascade policy's K+V bytes per layer, or
+    whose group has less work (query tokens x shared tokens) than it asks, gets no cascade
+    group: the decodes (and the prefill chunk, in the tiled kernel) read its blocks in place.
+    At the threshold the decodes form a group; a prefill chunk the tiled kernel takes stays out
+    of it, one the decode rows take joins it. Every variant matches the reference."""
     from tests.test_kernels_torch import shared_group_sizes
 
     shared, block_size = 4, 16
@@ -351,13 +358,29 @@ def test_small_shared_prefixes_stay_in_the_kernels(tiled: bool) -> None:
                        head_dim=64, block_size=block_size, seed=3)  # fmt: skip
         return share_prefix(b, [0, 1, 2, 3], shared)
 
-    prefix_bytes = shared * block_size * 2 * 4 * 64 * 4  # blocks x tokens x (K, V) x heads x D
     default = TorchBackend(native=True, tiled_prefill=tiled)
     run_and_compare(batch(), backend=default)
     assert shared_group_sizes(default) == []
-    at = TorchBackend(native=True, tiled_prefill=tiled, cascade_min_bytes=prefix_bytes)
-    run_and_compare(batch(), backend=at)
-    assert shared_group_sizes(at) == ([(3, shared)] if tiled else [(3 + 20, shared)])
-    above = TorchBackend(native=True, tiled_prefill=tiled, cascade_min_bytes=prefix_bytes + 1)
-    run_and_compare(batch(), backend=above)
-    assert shared_group_sizes(above) == []
+    prefix_bytes = shared * block_size * 2 * 4 * 64 * 4  # blocks x tokens x (K, V) x heads x D
+    grouped = [(3, shared)] if tiled else [(3 + 20, shared)]
+    work = grouped[0][0] * shared * block_size  # the group's query tokens x shared tokens
+    for at, above in [
+        (CascadePolicy(min_bytes=prefix_bytes), CascadePolicy(min_bytes=prefix_bytes + 1)),
+        (CascadePolicy(min_work=work), CascadePolicy(min_work=work + 1)),
+    ]:
+        backend = TorchBackend(native=True, tiled_prefill=tiled, cascade=at)
+        run_and_compare(batch(), backend=backend)
+        assert shared_group_sizes(backend) == grouped
+        backend = TorchBackend(native=True, tiled_prefill=tiled, cascade=above)
+        run_and_compare(batch(), backend=backend)
+        assert shared_group_sizes(backend) == []
+
+
+@needs_compiler
+def test_cascade_policy_follows_the_vector_width() -> None:
+    """The measured policy of each build: by bytes with 16-float vectors, by work with 8."""
+    kernel = native.load()
+    assert kernel is not None
+    expected = WIDE_CASCADE if kernel.prefill_lanes == 16 else NARROW_CASCADE
+    assert cascade_policy(kernel) == expected
+    assert TorchBackend(native=True)._cascade == expected

@@ -22,15 +22,15 @@ def decode_path(request: pytest.FixtureRequest) -> Iterator[str]:
     dtypes and shapes stay in torch either way), with cascade groups for every shared prefix
     (the C kernel's default leaves small ones to the kernel: tests/test_kernels_native.py).
     Module-scoped so hypothesis accepts it."""
-    original, min_bytes = native_kernel.load, torch_backend.CASCADE_MIN_BYTES
+    original, policy = native_kernel.load, torch_backend.cascade_policy
     if request.param == "native" and original() is None:
         pytest.skip("the native decode kernel did not build here (no C compiler?)")
     if request.param == "torch":
         native_kernel.load = lambda: None
     # the cascade's groups and merges are checked with the C kernel too, on small prefixes
-    torch_backend.CASCADE_MIN_BYTES = 0
+    torch_backend.cascade_policy = lambda kernel: torch_backend.CascadePolicy()
     yield request.param
-    native_kernel.load, torch_backend.CASCADE_MIN_BYTES = original, min_bytes
+    native_kernel.load, torch_backend.cascade_policy = original, policy
 
 
 def run_and_compare(
