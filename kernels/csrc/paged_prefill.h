@@ -13,7 +13,10 @@
  * PS_PF_NG query vectors. An online softmax per PS_PF_KB keys (running max and sum, the output
  * rescaled) keeps one pass over the keys. Measured against the decode-row path (same process,
  * 2 threads, Zen 4, bench/README.md): 1.4-1.8x for prompts of 128-768 tokens at 9/3, 8/4 and
- * 14/2 heads of 64; 0.8-1.5x at 32.
+ * 14/2 heads of 64; 0.8-1.5x at 32. On AVX2 (16 registers) a score pass takes two key tiles
+ * and a value pass 3 query vectors x half a head of 64: against one tile and one vector (Zen 3,
+ * 2 threads, outputs bit-identical) 1.25-1.32x at 8/4 heads of 64, 1.12-1.17x at 9/3 and 14/2,
+ * 1.19-1.37x at 16/4 of 128.
  *
  * Contract: every key of the chunk (positions seq_len - query_len .. seq_len - 1) is already
  * written to the cache; query token t of a chunk is at position seq_len - query_len + t and
@@ -79,23 +82,60 @@ static inline void ps_pf_transpose_keys(const ps_prefill_args *a, const int32_t 
     }
 }
 
-/* Value sums over nkeys keys for nv (<= PS_PF_NG) query vectors: o[i] += sum_l p[i][l] * V[l].
- * DV = D / PS_WIDE_LANES, a constant at the call sites. */
+/* Value sums over nkeys keys for nv (<= PS_PF_NG) query vectors, d-vectors [j0, j0 + nj) of
+ * their heads: o[i] += sum_l p[i][l] * V[l]. nv and nj are constants at the call sites, so the
+ * nv x nj accumulators stay in registers. */
 static inline __attribute__((always_inline)) void ps_pf_values(
-    float (*o)[PS_MAX_HEAD_DIM], const float (*p)[PS_PF_KB], const int nv, const int64_t DV,
-    const float *const *vrows, int64_t nkeys) {
+    float (*o)[PS_MAX_HEAD_DIM], const float (*p)[PS_PF_KB], const int nv, const int64_t j0,
+    const int nj, const float *const *vrows, int64_t nkeys) {
     vwsf acc[PS_PF_NG][PS_MAX_HEAD_DIM / PS_WIDE_LANES];
     for (int i = 0; i < nv; ++i)
-        for (int64_t j = 0; j < DV; ++j) acc[i][j] = ps_wload(&o[i][j * PS_WIDE_LANES]);
+        for (int j = 0; j < nj; ++j) acc[i][j] = ps_wload(&o[i][(j0 + j) * PS_WIDE_LANES]);
     for (int64_t l = 0; l < nkeys; ++l) {
-        const float *v = vrows[l];
-        for (int64_t j = 0; j < DV; ++j) {
+        const float *v = vrows[l] + j0 * PS_WIDE_LANES;
+        for (int j = 0; j < nj; ++j) {
             const vwsf vv = ps_wload(v + j * PS_WIDE_LANES);
             for (int i = 0; i < nv; ++i) acc[i][j] += ps_wsplat(p[i][l]) * vv;
         }
     }
     for (int i = 0; i < nv; ++i)
-        for (int64_t j = 0; j < DV; ++j) ps_wstore(&o[i][j * PS_WIDE_LANES], acc[i][j]);
+        for (int j = 0; j < nj; ++j) ps_wstore(&o[i][(j0 + j) * PS_WIDE_LANES], acc[i][j]);
+}
+
+/* ps_pf_values with nv and nj as constants: the cases the tiles above use. */
+static inline __attribute__((always_inline)) void ps_pf_values_pass(
+    float (*o)[PS_MAX_HEAD_DIM], const float (*p)[PS_PF_KB], const int nv, const int64_t j0,
+    const int nj, const float *const *vrows, int64_t nkeys) {
+#define PS_PF_V(a, b)                                                                      \
+    if (nv == a && nj == b) {                                                              \
+        ps_pf_values(o, p, a, j0, b, vrows, nkeys);                                        \
+        return;                                                                            \
+    }
+#if PS_WIDE_LANES == 16
+    PS_PF_V(6, 4) PS_PF_V(5, 4) PS_PF_V(4, 4) PS_PF_V(3, 4) PS_PF_V(2, 4) PS_PF_V(1, 4)
+    PS_PF_V(3, 8) PS_PF_V(2, 8) PS_PF_V(1, 8)
+#else
+    PS_PF_V(3, 4) PS_PF_V(2, 4) PS_PF_V(1, 4)
+#endif
+#undef PS_PF_V
+    for (int i = 0; i < nv; ++i) /* other shapes: one vector at a time, any width */
+        ps_pf_values(o + i, p + i, 1, j0, nj, vrows, nkeys);
+}
+
+/* Scores s[i] of key tile jt (keys kj0 ..) into p, -inf for the keys after vector i's token. */
+static inline __attribute__((always_inline)) void ps_pf_mask_store(
+    float (*p)[PS_PF_KB], vwsf *s, const int nv, int64_t jt, int64_t kj0, int64_t first,
+    const int64_t *pos) {
+    if (kj0 + PS_KT - 1 > first) { /* some key after some vector's token: masked */
+        vwsi keys;
+        for (int j = 0; j < PS_WIDE_LANES; ++j) keys[j] = (int32_t)kj0 + j;
+        const vwsf ninf = ps_wsplat(-INFINITY);
+        for (int i = 0; i < nv; ++i) {
+            const vwsi after = keys > (int32_t)pos[i];
+            s[i] = (vwsf)(((vwsi)s[i] & ~after) | ((vwsi)ninf & after));
+        }
+    }
+    for (int i = 0; i < nv; ++i) ps_wstore(&p[i][jt * PS_KT], s[i]);
 }
 
 /* One tile of nv query vectors (consecutive (token, head) pairs of KV head g, token-major)
@@ -125,14 +165,35 @@ static inline __attribute__((always_inline)) void ps_pf_tile(
         pos[i] = first_pos + t;
     }
     const int64_t last = pos[nv - 1], first = pos[0];
-    vwsi iota;
-    for (int j = 0; j < PS_WIDE_LANES; ++j) iota[j] = j;
     const vwsf ninf = ps_wsplat(-INFINITY);
     const float *vrows[PS_PF_KB];
     for (int64_t k0 = 0; k0 <= last; k0 += PS_PF_KB) {
         const int64_t nkeys = last - k0 + 1 < PS_PF_KB ? last - k0 + 1 : PS_PF_KB;
         const int64_t ntiles = (nkeys + PS_KT - 1) / PS_KT;
-        for (int64_t jt = 0; jt < ntiles; ++jt) {
+        int64_t jt = 0;
+#if PS_WIDE_LANES == 8
+        /* two key tiles per pass on AVX2: 2 x nv score accumulators (12 of the 16 registers at
+         * nv 6), so that enough independent FMA chains cover the FMA's latency (one tile's 6
+         * chains could not), and each broadcast query value serves two key vectors */
+        for (; jt + 1 < ntiles; jt += 2) {
+            const int64_t kj0 = k0 + jt * PS_KT;
+            vwsf s[PS_PF_MR], s2[PS_PF_MR];
+            for (int i = 0; i < nv; ++i) s[i] = s2[i] = ps_wsplat(0.0f);
+            const float *kj = kt + (kj0 / PS_KT) * D * PS_KT;
+            for (int64_t d = 0; d < D; ++d) {
+                const vwsf kv = ps_wload(kj + d * PS_KT);
+                const vwsf kv2 = ps_wload(kj + (D + d) * PS_KT);
+                for (int i = 0; i < nv; ++i) {
+                    const vwsf qv = ps_wsplat(q[i][d]);
+                    s[i] += qv * kv;
+                    s2[i] += qv * kv2;
+                }
+            }
+            ps_pf_mask_store(p, s, nv, jt, kj0, first, pos);
+            ps_pf_mask_store(p, s2, nv, jt + 1, kj0 + PS_KT, first, pos);
+        }
+#endif
+        for (; jt < ntiles; ++jt) {
             const int64_t kj0 = k0 + jt * PS_KT;
             vwsf s[PS_PF_MR];
             for (int i = 0; i < nv; ++i) s[i] = ps_wsplat(0.0f);
@@ -141,14 +202,7 @@ static inline __attribute__((always_inline)) void ps_pf_tile(
                 const vwsf kv = ps_wload(kj + d * PS_KT);
                 for (int i = 0; i < nv; ++i) s[i] += ps_wsplat(q[i][d]) * kv;
             }
-            if (kj0 + PS_KT - 1 > first) { /* some key after some vector's token: masked */
-                const vwsi keys = iota + (int32_t)kj0;
-                for (int i = 0; i < nv; ++i) {
-                    const vwsi after = keys > (int32_t)pos[i];
-                    s[i] = (vwsf)(((vwsi)s[i] & ~after) | ((vwsi)ninf & after));
-                }
-            }
-            for (int i = 0; i < nv; ++i) ps_wstore(&p[i][jt * PS_KT], s[i]);
+            ps_pf_mask_store(p, s, nv, jt, kj0, first, pos);
         }
         for (int i = 0; i < nv; ++i) {
             vwsf bm = ps_wload(p[i]);
@@ -181,19 +235,26 @@ static inline __attribute__((always_inline)) void ps_pf_tile(
             vrows[lk] = a->v_cache + ((int64_t)table[pk / BS] * BS + pk % BS) * token_stride +
                         g * D;
         }
-        /* query vectors per value pass: as many as keep their accumulators in registers */
-        const int ng = PS_PF_ACC / DV < 1 ? 1 : PS_PF_ACC / DV > PS_PF_NG ? PS_PF_NG
-                                                                           : PS_PF_ACC / DV;
-        for (int i0 = 0; i0 < nv; i0 += ng) {
-            const int n = nv - i0 < ng ? nv - i0 : ng;
-            float(*oi)[PS_MAX_HEAD_DIM] = o + i0;
-            const float(*pi)[PS_PF_KB] = (const float(*)[PS_PF_KB])(p + i0);
-            switch (n) {
-#define PS_PF_CASE(k) case k: ps_pf_values(oi, pi, k, DV, vrows, nkeys); break;
-                PS_PF_CASE(1) PS_PF_CASE(2) PS_PF_CASE(3) PS_PF_CASE(4) PS_PF_CASE(5)
-                PS_PF_CASE(6)
-#undef PS_PF_CASE
-            default: break;
+        /* value passes: query vectors x d-vectors of accumulators in registers; a head whose
+         * whole width fits for at least 3 query vectors goes in one pass per group (up to
+         * PS_PF_NG vectors), a wider one (head_dim 64 on AVX2) in tiles of 3 vectors x
+         * PS_PF_ACC / 3 d-vectors: one vector at a time loaded each value row for 8 FMAs */
+        if (DV * 3 <= PS_PF_ACC) {
+            const int ng = PS_PF_ACC / DV > PS_PF_NG ? PS_PF_NG : (int)(PS_PF_ACC / DV);
+            for (int i0 = 0; i0 < nv; i0 += ng) {
+                const int n = nv - i0 < ng ? nv - i0 : ng;
+                ps_pf_values_pass(o + i0, (const float(*)[PS_PF_KB])(p + i0), n, 0, (int)DV,
+                                  vrows, nkeys);
+            }
+        } else {
+            const int nj = PS_PF_ACC / 3;
+            for (int i0 = 0; i0 < nv; i0 += 3) {
+                const int n = nv - i0 < 3 ? nv - i0 : 3;
+                for (int64_t j0 = 0; j0 < DV; j0 += nj) {
+                    const int m = DV - j0 < nj ? (int)(DV - j0) : nj;
+                    ps_pf_values_pass(o + i0, (const float(*)[PS_PF_KB])(p + i0), n, j0, m,
+                                      vrows, nkeys);
+                }
             }
         }
     }
