@@ -102,24 +102,23 @@ static inline __attribute__((always_inline)) void ps_pf_values(
         for (int j = 0; j < nj; ++j) ps_wstore(&o[i][(j0 + j) * PS_WIDE_LANES], acc[i][j]);
 }
 
-/* ps_pf_values with nv and nj as constants: the cases the tiles above use. */
+/* ps_pf_values with nv as a constant (1 .. PS_PF_NG), and nj too where it is 4 or 8 (the
+ * common heads' passes): the accumulators stay in registers; other widths run with nj read
+ * at run time, as every width did before the AVX2 half-head passes. */
 static inline __attribute__((always_inline)) void ps_pf_values_pass(
     float (*o)[PS_MAX_HEAD_DIM], const float (*p)[PS_PF_KB], const int nv, const int64_t j0,
     const int nj, const float *const *vrows, int64_t nkeys) {
-#define PS_PF_V(a, b)                                                                      \
-    if (nv == a && nj == b) {                                                              \
-        ps_pf_values(o, p, a, j0, b, vrows, nkeys);                                        \
-        return;                                                                            \
-    }
-#if PS_WIDE_LANES == 16
-    PS_PF_V(6, 4) PS_PF_V(5, 4) PS_PF_V(4, 4) PS_PF_V(3, 4) PS_PF_V(2, 4) PS_PF_V(1, 4)
-    PS_PF_V(3, 8) PS_PF_V(2, 8) PS_PF_V(1, 8)
-#else
-    PS_PF_V(3, 4) PS_PF_V(2, 4) PS_PF_V(1, 4)
-#endif
+    switch (nv) {
+#define PS_PF_V(k)                                                                         \
+    case k:                                                                                \
+        if (nj == 4) ps_pf_values(o, p, k, j0, 4, vrows, nkeys);                           \
+        else if (nj == 8) ps_pf_values(o, p, k, j0, 8, vrows, nkeys);                      \
+        else ps_pf_values(o, p, k, j0, nj, vrows, nkeys);                                  \
+        break;
+        PS_PF_V(1) PS_PF_V(2) PS_PF_V(3) PS_PF_V(4) PS_PF_V(5) PS_PF_V(6)
 #undef PS_PF_V
-    for (int i = 0; i < nv; ++i) /* other shapes: one vector at a time, any width */
-        ps_pf_values(o + i, p + i, 1, j0, nj, vrows, nkeys);
+    default: break;
+    }
 }
 
 /* Scores s[i] of key tile jt (keys kj0 ..) into p, -inf for the keys after vector i's token. */
