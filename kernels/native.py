@@ -75,6 +75,10 @@ class _DecodeArgs(ctypes.Structure):
         ("out", ctypes.c_void_p),
         ("out_row_stride", ctypes.c_int64),
         ("lse", ctypes.c_void_p),
+        ("start_out", ctypes.c_void_p),
+        ("start_lse", ctypes.c_void_p),
+        ("start_slot", ctypes.c_void_p),
+        ("start_rows", ctypes.c_int64),
     ]
 
 
@@ -94,6 +98,9 @@ class _PrefillArgs(ctypes.Structure):
         ("num_threads", ctypes.c_int32),
         ("out", ctypes.c_void_p),
         ("out_row_stride", ctypes.c_int64),
+        ("all_keys", ctypes.c_int32),
+        ("lse", ctypes.c_void_p),
+        ("query_rows", ctypes.c_void_p),
     ]
 
 
@@ -131,6 +138,33 @@ class DecodeRows:
         return DecodeRows(
             *(torch.cat([getattr(self, f.name), getattr(other, f.name)]) for f in fields(self))
         )
+
+
+@dataclass(frozen=True)
+class PrefixStart:
+    """Shared-prefix results that decode rows continue (:meth:`NativeDecode.decode`): the
+    output and log-sum-exp of every grouped query over its prefix, and per decode row its
+    row of them (-1: the row starts empty)."""
+
+    out: torch.Tensor  # float32 [S, num_heads, head_dim], contiguous
+    lse: torch.Tensor  # float32 [S, num_heads], contiguous
+    slots: torch.Tensor  # int64 [n]: per decode row
+
+    def check(self, num_rows: int, out_shape: torch.Size) -> None:
+        """The C kernel reads these by pointer: dtypes, layouts and lengths must hold."""
+        ok = (
+            self.out.dtype == torch.float32
+            and self.lse.dtype == torch.float32
+            and self.slots.dtype == torch.int64
+            and self.out.is_contiguous()
+            and self.lse.is_contiguous()
+            and self.slots.is_contiguous()
+            and self.out.shape[1:] == out_shape[1:]
+            and self.lse.shape == self.out.shape[:2]
+            and self.slots.shape == (num_rows,)
+        )
+        if not ok:  # (the kernel checks each slot against S itself)
+            raise ValueError("prefix start: float32 [S, H, D] out, [S, H] lse, int64 slots")
 
 
 class NativeDecode:
@@ -184,14 +218,24 @@ class NativeDecode:
         window: int | None,
         out: torch.Tensor,
         lse: torch.Tensor,
+        start: PrefixStart | None = None,
     ) -> None:
         """Attention of every decode row; writes ``out[token_rows]`` and ``lse[:n]``.
 
-        The caller guarantees :meth:`supports`, an int32 contiguous ``block_tables`` and
-        ``v_cache`` shaped like ``k_cache``; the tensors must stay alive during the call.
+        With ``start``, a row whose slot is not -1 continues that shared-prefix result: its
+        output is over the prefix and its own blocks (from ``first_block``) together, exactly,
+        with no merge after. The caller guarantees :meth:`supports`, an int32 contiguous
+        ``block_tables`` and ``v_cache`` shaped like ``k_cache``; the tensors must stay alive
+        during the call.
         """
         self._check(k_cache, v_cache, block_tables, out)
         args = self._args(query, (k_cache, v_cache), block_tables, rows, scale, window, (out, lse))
+        if start is not None:
+            start.check(rows.num_rows, out.shape)
+            args.start_out = start.out.data_ptr()
+            args.start_lse = start.lse.data_ptr()
+            args.start_slot = start.slots.data_ptr()
+            args.start_rows = start.out.shape[0]
         if self._lib.ps_decode_attention_f32(ctypes.byref(args)) != 0:
             raise ValueError("shapes outside the native decode kernel's limits")
 
@@ -208,11 +252,30 @@ class NativeDecode:
         chunks: PrefillChunks,
         scale: float,
         out: torch.Tensor,
+        lse: torch.Tensor | None = None,
+        query_rows: torch.Tensor | None = None,
     ) -> None:
         """Causal attention of every prefill chunk's tokens over its context in the cache (its
         own keys written there first; no window, no shared prefix): writes their ``out`` rows.
-        Same preconditions as :meth:`decode`."""
+        Same preconditions as :meth:`decode`.
+
+        With ``lse`` (float32, contiguous ``[T, num_heads]``), a cascade's shared prefixes
+        instead: every query row of chunk ``c`` sees all ``seq_lens[c]`` keys through table row
+        ``seq_index[c]`` (no causal mask), and ``lse`` gets each row's log-sum-exp. With
+        ``query_rows`` (int64, one per output row), output row ``i`` is the attention of query
+        row ``query_rows[i]``."""
         self._check(k_cache, v_cache, block_tables, out)
+        rows = out.shape[0]
+        if lse is not None and (
+            lse.dtype != torch.float32 or not lse.is_contiguous() or lse.shape != out.shape[:2]
+        ):
+            raise ValueError("lse must be a contiguous float32 [rows, num_heads] tensor")
+        if query_rows is not None and (
+            query_rows.dtype != torch.int64
+            or not query_rows.is_contiguous()
+            or query_rows.shape != (rows,)
+        ):
+            raise ValueError("query_rows must be a contiguous int64 tensor, one per output row")
         args = _PrefillArgs(
             **self._common(query, k_cache, v_cache, block_tables, out),
             starts=chunks.starts.data_ptr(),
@@ -221,6 +284,9 @@ class NativeDecode:
             seq_index=chunks.seq_index.data_ptr(),
             num_chunks=chunks.num_chunks,
             scale=scale,
+            all_keys=int(lse is not None),
+            lse=0 if lse is None else lse.data_ptr(),
+            query_rows=0 if query_rows is None else query_rows.data_ptr(),
         )
         code = self._lib.ps_prefill_attention_f32(ctypes.byref(args))
         if code == -2:

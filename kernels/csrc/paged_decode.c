@@ -72,6 +72,15 @@ typedef struct {
     float *out;                  /* [T, num_heads, head_dim], rows out_row_stride apart */
     int64_t out_row_stride;
     float *lse;                  /* [n, num_heads] */
+    /* Where a row continues a shared prefix's attention computed before (a cascade's group;
+     * NULL: no row does): start_slot[r] >= 0 is its row of start_out ([S, num_heads,
+     * head_dim], contiguous) and start_lse ([S, num_heads]); the row's online softmax starts
+     * from that result (running max = its lse, sum 1, output sums = its output), so its own
+     * blocks extend it exactly and no merge follows. */
+    const float *start_out;
+    const float *start_lse;
+    const int64_t *start_slot;
+    int64_t start_rows; /* S: every slot must be below it */
 } ps_decode_args;
 
 /* The next block's keys and values, asked for (into L2) a line of each at a time, spread
@@ -279,6 +288,16 @@ static inline __attribute__((always_inline)) void ps_decode_row_impl(
     }
     const int64_t nh_lanes = (nh + PS_LANES - 1) / PS_LANES * PS_LANES;
     for (int64_t i = 0; i < nh_lanes; ++i) m[i] = newm[i] = -INFINITY; /* pad lanes unused */
+    const int64_t slot = a->start_out ? a->start_slot[r] : -1;
+    if (slot >= 0) { /* continue the shared prefix's softmax: weights relative to its lse */
+        const float *so = a->start_out + (slot * a->num_heads + h0) * D;
+        const float *sl = a->start_lse + slot * a->num_heads + h0;
+        for (int64_t i = 0; i < nh; ++i) {
+            for (int64_t d = 0; d < D; ++d) acc[i][d] = so[i * D + d];
+            l[i] = 1.0f;
+            m[i] = newm[i] = sl[i];
+        }
+    }
 
     const int64_t last = a->seq_lens[r] - 1;
     int64_t lo = a->first_block[r] * BS;
@@ -428,6 +447,9 @@ int ps_decode_attention_f32(const ps_decode_args *a) {
         a->num_kv_heads <= 0 || a->num_heads % a->num_kv_heads != 0 ||
         a->num_heads > PS_MAX_HEADS)
         return -1;
+    if (a->start_out)
+        for (int64_t r = 0; r < a->num_rows; ++r)
+            if (a->start_slot[r] >= a->start_rows) return -1;
     /* A task is a row (all heads), or a row's KV-head group when there are too few rows to
      * keep every thread busy. Dynamic scheduling evens out rows of different lengths. */
     const int64_t split = a->num_rows >= 4 * (int64_t)a->num_threads ? 1 : a->num_kv_heads;

@@ -22,6 +22,17 @@
  * written to the cache; query token t of a chunk is at position seq_len - query_len + t and
  * sees keys 0 .. its position (causal, no window, nothing merged from a shared prefix). Output
  * rows out[start + t] get every head of that token.
+ *
+ * All-keys mode (all_keys, a cascade's shared prefixes): a chunk is a group of query rows
+ * (decodes of sequences whose tables start with the same blocks) that all see every key of
+ * the prefix, with no mask; out and lse get each row's result over the prefix, which the
+ * decode kernel then continues over the row's own blocks (start_out in paged_decode.c). The
+ * prefix is read in place in panels of PS_PF_PANEL keys, every tile of a task running a panel
+ * before the next (the panel stays in L1/L2) while the next panel's lines are requested, and
+ * tasks split a group's query vectors so that the threads stay even. Against the C decode
+ * kernel reading the prefix once per row (Zen 4, 2 threads, K/V from DRAM, per layer, 8/4 and
+ * 9/3 heads of 64): 0.75-0.82x at 8K query x shared tokens, 0.92-0.98x at 16K, 1.01-1.15x at
+ * 32K, 1.19-1.50x at 48-128K (bench/README.md, issue #17's eighteenth session).
  */
 #ifndef PS_PAGED_PREFILL_H
 #define PS_PAGED_PREFILL_H
@@ -48,6 +59,15 @@ typedef struct {
     int32_t num_threads;
     float *out;                  /* [T, num_heads, head_dim], rows out_row_stride apart */
     int64_t out_row_stride;
+    /* all_keys != 0: a shared prefix (cascade) instead of causal chunks. Every query row of a
+     * chunk sees all seq_lens[c] keys (the prefix, read through table row seq_index[c]), and
+     * lse[(starts[c] + t) * num_heads + h] gets each row's log-sum-exp for the merge. */
+    int32_t all_keys;
+    float *lse;
+    /* NULL, or where a chunk's rows are in query: token t of chunk c is query row
+     * query_rows[starts[c] + t] (a cascade's groups are scattered rows of the batch); out and
+     * lse rows stay starts[c] + t */
+    const int64_t *query_rows;
 } ps_prefill_args;
 
 #define PS_KT PS_WIDE_LANES /* keys per score tile: one vector of scores per query vector */
@@ -61,16 +81,17 @@ typedef struct {
 #define PS_PF_NG 6 /* at most this many query vectors per value pass */
 #define PS_PF_SPAN 64 /* query tokens per task (a task transposes its keys once) */
 #define PS_PF_KB 64   /* keys per online-softmax update */
-/* Keys [0, kmax) of KV head g into kt: tile j holds keys j*KT .. j*KT+KT-1 as [D][KT]
- * (zeros past kmax: those are masked anyway). */
+/* Keys [k_lo, kmax) of KV head g into kt (k_lo a multiple of PS_KT): tile j holds keys
+ * k_lo + j*KT .. k_lo + j*KT+KT-1 as [D][KT] (zeros past kmax: those are masked anyway). */
 static inline void ps_pf_transpose_keys(const ps_prefill_args *a, const int32_t *table,
-                                        int64_t g, int64_t kmax, const int64_t D, float *kt) {
+                                        int64_t g, int64_t k_lo, int64_t kmax, const int64_t D,
+                                        float *kt) {
     const int64_t BS = a->block_size, token_stride = a->num_kv_heads * D;
-    const int64_t tiles = (kmax + PS_KT - 1) / PS_KT;
+    const int64_t tiles = (kmax - k_lo + PS_KT - 1) / PS_KT;
     for (int64_t j = 0; j < tiles; ++j) {
         float *dst = kt + j * D * PS_KT;
         for (int64_t l = 0; l < PS_KT; ++l) {
-            const int64_t p = j * PS_KT + l;
+            const int64_t p = k_lo + j * PS_KT + l;
             if (p >= kmax) {
                 for (int64_t d = 0; d < D; ++d) dst[d * PS_KT + l] = 0.0f;
                 continue;
@@ -137,37 +158,76 @@ static inline __attribute__((always_inline)) void ps_pf_mask_store(
     for (int i = 0; i < nv; ++i) ps_wstore(&p[i][jt * PS_KT], s[i]);
 }
 
-/* One tile of nv query vectors (consecutive (token, head) pairs of KV head g, token-major)
- * against keys 0 .. the last vector's position, PS_PF_KB keys per softmax update (the scores
- * of PS_PF_KB / PS_KT key tiles go to p first): the row max, exp and rescale of the output are
- * paid once per PS_PF_KB keys, not per vector of keys. */
-static inline __attribute__((always_inline)) void ps_pf_tile(
-    const ps_prefill_args *a, const int32_t *table, int64_t c, int64_t g, int64_t v0, int nv,
-    const float *kt, const int64_t D, const int64_t G) {
+/* A shared prefix's next panel, asked for (into L2) while the current one is computed: keys
+ * [next, end) of KV head g still to request, per_step keys at each of the tiles' softmax
+ * updates, so that the requests spread over the panel's work instead of the next panel's
+ * transposition and first value pass waiting on DRAM. */
+typedef struct {
+    const int32_t *table;
+    int64_t g, next, end, per_step;
+} ps_pf_ahead;
+
+static inline void ps_pf_ahead_step(const ps_prefill_args *a, ps_pf_ahead *pa, const int64_t D) {
+    if (!pa || pa->next >= pa->end) return;
     const int64_t BS = a->block_size, token_stride = a->num_kv_heads * D;
-    const int64_t DV = D / PS_WIDE_LANES;
-    const int64_t first_pos = a->seq_lens[c] - a->query_lens[c];
+    const int64_t stop = pa->next + pa->per_step < pa->end ? pa->next + pa->per_step : pa->end;
+    for (int64_t p = pa->next; p < stop; ++p) {
+        const int64_t off = ((int64_t)pa->table[p / BS] * BS + p % BS) * token_stride + pa->g * D;
+        for (int64_t d = 0; d < D; d += 16) {
+            __builtin_prefetch(a->k_cache + off + d, 0, 2);
+            __builtin_prefetch(a->v_cache + off + d, 0, 2);
+        }
+    }
+    pa->next = stop;
+}
+
+/* A tile's running state: its nv query vectors (consecutive (token, head) pairs of one KV
+ * head, token-major, pre-scaled), their output sums, running max and sum, and positions. */
+typedef struct {
     float q[PS_PF_MR][PS_MAX_HEAD_DIM] __attribute__((aligned(64)));
     float o[PS_PF_MR][PS_MAX_HEAD_DIM] __attribute__((aligned(64)));
-    float p[PS_PF_MR][PS_PF_KB] __attribute__((aligned(64)));
     float m[PS_PF_MR], l[PS_PF_MR];
-    int64_t pos[PS_PF_MR];
+    int64_t pos[PS_PF_MR]; /* the last key each vector sees */
+} ps_pf_state;
+
+static inline __attribute__((always_inline)) void ps_pf_tile_init(
+    const ps_prefill_args *a, int64_t c, int64_t g, int64_t v0, int nv, const int64_t D,
+    const int64_t G, ps_pf_state *st) {
+    const int64_t first_pos = a->seq_lens[c] - a->query_lens[c];
     for (int i = 0; i < nv; ++i) {
         const int64_t t = (v0 + i) / G, h = g * G + (v0 + i) % G;
-        const float *src = a->query + (a->starts[c] + t) * a->query_row_stride + h * D;
+        const int64_t row = a->query_rows ? a->query_rows[a->starts[c] + t] : a->starts[c] + t;
+        const float *src = a->query + row * a->query_row_stride + h * D;
         for (int64_t d = 0; d < D; ++d) {
-            q[i][d] = src[d] * a->scale;
-            o[i][d] = 0.0f;
+            st->q[i][d] = src[d] * a->scale;
+            st->o[i][d] = 0.0f;
         }
-        m[i] = -INFINITY;
-        l[i] = 0.0f;
-        pos[i] = first_pos + t;
+        st->m[i] = -INFINITY;
+        st->l[i] = 0.0f;
+        st->pos[i] = a->all_keys ? a->seq_lens[c] - 1 : first_pos + t;
     }
-    const int64_t last = pos[nv - 1], first = pos[0];
+}
+
+/* The tile against keys [k_lo, k_hi) (k_lo a multiple of PS_PF_KB, k_hi past no vector's last
+ * key), whose transposed tiles start at kt; PS_PF_KB keys per softmax update (the scores of
+ * PS_PF_KB / PS_KT key tiles go to p first): the row max, exp and rescale of the output are paid
+ * once per PS_PF_KB keys, not per vector of keys. */
+static inline __attribute__((always_inline)) void ps_pf_tile_keys(
+    const ps_prefill_args *a, const int32_t *table, int64_t g, int nv, const float *kt,
+    int64_t k_lo, int64_t k_hi, const int64_t D, ps_pf_state *st, ps_pf_ahead *ahead) {
+    const int64_t BS = a->block_size, token_stride = a->num_kv_heads * D;
+    const int64_t DV = D / PS_WIDE_LANES;
+    float(*q)[PS_MAX_HEAD_DIM] = st->q;
+    float(*o)[PS_MAX_HEAD_DIM] = st->o;
+    float *m = st->m, *l = st->l;
+    const int64_t *pos = st->pos;
+    float p[PS_PF_MR][PS_PF_KB] __attribute__((aligned(64)));
+    const int64_t first = pos[0];
     const vwsf ninf = ps_wsplat(-INFINITY);
     const float *vrows[PS_PF_KB];
-    for (int64_t k0 = 0; k0 <= last; k0 += PS_PF_KB) {
-        const int64_t nkeys = last - k0 + 1 < PS_PF_KB ? last - k0 + 1 : PS_PF_KB;
+    for (int64_t k0 = k_lo; k0 < k_hi; k0 += PS_PF_KB) {
+        ps_pf_ahead_step(a, ahead, D);
+        const int64_t nkeys = k_hi - k0 < PS_PF_KB ? k_hi - k0 : PS_PF_KB;
         const int64_t ntiles = (nkeys + PS_KT - 1) / PS_KT;
         int64_t jt = 0;
 #if PS_WIDE_LANES == 8
@@ -178,7 +238,7 @@ static inline __attribute__((always_inline)) void ps_pf_tile(
             const int64_t kj0 = k0 + jt * PS_KT;
             vwsf s[PS_PF_MR], s2[PS_PF_MR];
             for (int i = 0; i < nv; ++i) s[i] = s2[i] = ps_wsplat(0.0f);
-            const float *kj = kt + (kj0 / PS_KT) * D * PS_KT;
+            const float *kj = kt + ((kj0 - k_lo) / PS_KT) * D * PS_KT;
             for (int64_t d = 0; d < D; ++d) {
                 const vwsf kv = ps_wload(kj + d * PS_KT);
                 const vwsf kv2 = ps_wload(kj + (D + d) * PS_KT);
@@ -196,7 +256,7 @@ static inline __attribute__((always_inline)) void ps_pf_tile(
             const int64_t kj0 = k0 + jt * PS_KT;
             vwsf s[PS_PF_MR];
             for (int i = 0; i < nv; ++i) s[i] = ps_wsplat(0.0f);
-            const float *kj = kt + (kj0 / PS_KT) * D * PS_KT;
+            const float *kj = kt + ((kj0 - k_lo) / PS_KT) * D * PS_KT;
             for (int64_t d = 0; d < D; ++d) {
                 const vwsf kv = ps_wload(kj + d * PS_KT);
                 for (int i = 0; i < nv; ++i) s[i] += ps_wsplat(q[i][d]) * kv;
@@ -257,52 +317,166 @@ static inline __attribute__((always_inline)) void ps_pf_tile(
             }
         }
     }
+}
+
+/* Output rows (and, for a shared prefix, log-sum-exps) of a finished tile. */
+static inline __attribute__((always_inline)) void ps_pf_tile_finish(
+    const ps_prefill_args *a, int64_t c, int64_t g, int64_t v0, int nv, const int64_t D,
+    const int64_t G, const ps_pf_state *st) {
     for (int i = 0; i < nv; ++i) {
         const int64_t t = (v0 + i) / G, h = g * G + (v0 + i) % G;
         float *dst = a->out + (a->starts[c] + t) * a->out_row_stride + h * D;
-        const float inv = 1.0f / l[i];
-        for (int64_t d = 0; d < D; ++d) dst[d] = o[i][d] * inv;
+        const float inv = 1.0f / st->l[i];
+        for (int64_t d = 0; d < D; ++d) dst[d] = st->o[i][d] * inv;
+        if (a->all_keys)
+            a->lse[(a->starts[c] + t) * a->num_heads + h] = st->m[i] + logf(st->l[i]);
     }
 }
 
-/* Task: chunk c, KV head g, query tokens [t0, t1) of the chunk. */
-static inline __attribute__((always_inline)) void ps_pf_task_impl(
-    const ps_prefill_args *a, int64_t c, int64_t g, int64_t t0, int64_t t1, float *kt,
-    const int64_t D, const int64_t G) {
-    const int32_t *table = a->block_tables + a->seq_index[c] * a->block_table_stride;
-    const int64_t first_pos = a->seq_lens[c] - a->query_lens[c];
-    ps_pf_transpose_keys(a, table, g, first_pos + t1, D, kt);
-    const int64_t v1 = t1 * G;
-    for (int64_t v = t0 * G; v < v1; v += PS_PF_MR) {
-        const int64_t nv = v1 - v < PS_PF_MR ? v1 - v : PS_PF_MR;
-        switch (nv) { /* a constant count per call: the score accumulators stay in registers */
-#define PS_PF_TILE(k) case k: ps_pf_tile(a, table, c, g, v, k, kt, D, G); break;
-            PS_PF_TILE(1) PS_PF_TILE(2) PS_PF_TILE(3) PS_PF_TILE(4) PS_PF_TILE(5) PS_PF_TILE(6)
+/* ps_pf_tile_keys with nv and the common head sizes as constants (the score accumulators stay
+ * in registers), one function per nv: the causal and the shared-prefix tasks call the same
+ * ones (inlining them into each task doubled the library's compile time). */
+typedef void (*ps_pf_keys_fn)(const ps_prefill_args *, const int32_t *, int64_t, const float *,
+                              int64_t, int64_t, ps_pf_state *, ps_pf_ahead *);
+#define PS_PF_KEYS_FN(k)                                                                       \
+    static void ps_pf_keys_##k(const ps_prefill_args *a, const int32_t *table, int64_t g,     \
+                               const float *kt, int64_t k_lo, int64_t k_hi, ps_pf_state *st,  \
+                               ps_pf_ahead *ah) {                                              \
+        if (a->head_dim == 64) ps_pf_tile_keys(a, table, g, k, kt, k_lo, k_hi, 64, st, ah);   \
+        else if (a->head_dim == 128)                                                           \
+            ps_pf_tile_keys(a, table, g, k, kt, k_lo, k_hi, 128, st, ah);                      \
+        else ps_pf_tile_keys(a, table, g, k, kt, k_lo, k_hi, a->head_dim, st, ah);             \
+    }
+#define PS_PF_KEYS_PTR(k) ps_pf_keys_##k,
 #if PS_PF_MR > 6
-            PS_PF_TILE(7) PS_PF_TILE(8) PS_PF_TILE(9) PS_PF_TILE(10) PS_PF_TILE(11)
-            PS_PF_TILE(12)
+#define PS_PF_EACH_NV(X) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12)
+#else
+#define PS_PF_EACH_NV(X) X(1) X(2) X(3) X(4) X(5) X(6)
 #endif
-#undef PS_PF_TILE
-        default: break;
-        }
-    }
-}
+PS_PF_EACH_NV(PS_PF_KEYS_FN)
+static const ps_pf_keys_fn ps_pf_keys[PS_PF_MR + 1] = {NULL, PS_PF_EACH_NV(PS_PF_KEYS_PTR)};
+#undef PS_PF_KEYS_FN
+#undef PS_PF_KEYS_PTR
 
+/* Task: chunk c, KV head g, query tokens [t0, t1) of the chunk, causal: each tile against
+ * keys 0 .. its last vector's position (all of them transposed in kt first). */
 static void ps_pf_task(const ps_prefill_args *a, int64_t c, int64_t g, int64_t t0, int64_t t1,
                        float *kt) {
     const int64_t D = a->head_dim, G = a->num_heads / a->num_kv_heads;
-    if (D == 64) ps_pf_task_impl(a, c, g, t0, t1, kt, 64, G);
-    else if (D == 128) ps_pf_task_impl(a, c, g, t0, t1, kt, 128, G);
-    else ps_pf_task_impl(a, c, g, t0, t1, kt, D, G);
+    const int32_t *table = a->block_tables + a->seq_index[c] * a->block_table_stride;
+    const int64_t first_pos = a->seq_lens[c] - a->query_lens[c];
+    ps_pf_transpose_keys(a, table, g, 0, first_pos + t1, D, kt);
+    const int64_t v1 = t1 * G;
+    ps_pf_state st;
+    for (int64_t v = t0 * G; v < v1; v += PS_PF_MR) {
+        const int nv = v1 - v < PS_PF_MR ? (int)(v1 - v) : PS_PF_MR;
+        ps_pf_tile_init(a, c, g, v, nv, D, G, &st);
+        ps_pf_keys[nv](a, table, g, kt, 0, st.pos[nv - 1] + 1, &st, NULL);
+        ps_pf_tile_finish(a, c, g, v, nv, D, G, &st);
+    }
+}
+
+/* Keys per panel of a shared prefix: every tile of a task runs a panel before the next, so
+ * that the panel's transposed keys and its value rows are read from L1/L2 by all of them
+ * (each tile streaming the whole prefix went through L2 and L3 at long prefixes). */
+#define PS_PF_PANEL 256
+
+/* Task of a shared prefix: chunk c's query vectors [v0, v1) of KV head g against all its
+ * keys, panel after panel; st holds the task's tiles. */
+static void ps_pf_prefix_task(const ps_prefill_args *a, int64_t c, int64_t g, int64_t v0,
+                              int64_t v1, float *kt, ps_pf_state *st) {
+    const int64_t D = a->head_dim, G = a->num_heads / a->num_kv_heads;
+    const int32_t *table = a->block_tables + a->seq_index[c] * a->block_table_stride;
+    const int64_t keys = a->seq_lens[c];
+    const int64_t tiles = (v1 - v0 + PS_PF_MR - 1) / PS_PF_MR;
+    for (int64_t i = 0; i < tiles; ++i) {
+        const int64_t v = v0 + i * PS_PF_MR;
+        ps_pf_tile_init(a, c, g, v, v1 - v < PS_PF_MR ? (int)(v1 - v) : PS_PF_MR, D, G, st + i);
+    }
+    for (int64_t k_lo = 0; k_lo < keys; k_lo += PS_PF_PANEL) {
+        const int64_t k_hi = keys - k_lo < PS_PF_PANEL ? keys : k_lo + PS_PF_PANEL;
+        ps_pf_transpose_keys(a, table, g, k_lo, k_hi, D, kt);
+        /* the next panel's keys, spread over this one's tiles x softmax updates */
+        const int64_t next_hi = keys - k_hi < PS_PF_PANEL ? keys : k_hi + PS_PF_PANEL;
+        const int64_t steps = tiles * ((k_hi - k_lo + PS_PF_KB - 1) / PS_PF_KB);
+        ps_pf_ahead ahead = {table, g, k_hi, next_hi, (next_hi - k_hi + steps - 1) / steps};
+        for (int64_t i = 0; i < tiles; ++i) {
+            const int64_t v = v0 + i * PS_PF_MR;
+            ps_pf_keys[v1 - v < PS_PF_MR ? v1 - v : PS_PF_MR](a, table, g, kt, k_lo, k_hi,
+                                                               st + i, &ahead);
+        }
+    }
+    for (int64_t i = 0; i < tiles; ++i) {
+        const int64_t v = v0 + i * PS_PF_MR;
+        ps_pf_tile_finish(a, c, g, v, v1 - v < PS_PF_MR ? (int)(v1 - v) : PS_PF_MR, D, G,
+                          st + i);
+    }
 }
 
 /* head_dim must be a multiple of this (the vectors' width); the caller checks */
 int ps_prefill_lanes(void) { return PS_WIDE_LANES; }
 
+/* How many tasks share each (chunk, KV head) of a shared prefix: enough that no task holds
+ * more than PS_PF_MAX_TILES tiles, and, where a chunk's tiles allow, a multiple of the threads
+ * across its KV heads (3 KV heads on 2 threads as 3 tasks left a thread idle a third of the
+ * time). Fewer, larger tasks transpose each panel of keys fewer times. */
+#define PS_PF_MAX_TILES 32
+static int64_t ps_pf_parts(const ps_prefill_args *a, int64_t c) {
+    const int64_t G = a->num_heads / a->num_kv_heads;
+    const int64_t tiles = (a->query_lens[c] * G + PS_PF_MR - 1) / PS_PF_MR;
+    const int64_t threads = a->num_threads > 0 ? a->num_threads : 1;
+    int64_t n = (tiles + PS_PF_MAX_TILES - 1) / PS_PF_MAX_TILES;
+    while ((a->num_kv_heads * n) % threads != 0 && n < tiles) ++n;
+    return n > 0 ? n : 1;
+}
+
+/* The all-keys mode (a cascade's shared prefixes): tasks (chunk, part of its query vectors,
+ * KV head), taken dynamically, each running its tiles panel after panel. */
+static int ps_pf_prefix_attention(const ps_prefill_args *a) {
+    const int64_t G = a->num_heads / a->num_kv_heads;
+    int64_t tasks = 0, max_tiles = 1;
+    for (int64_t c = 0; c < a->num_chunks; ++c) {
+        const int64_t n = ps_pf_parts(a, c);
+        const int64_t tiles = (a->query_lens[c] * G + PS_PF_MR - 1) / PS_PF_MR;
+        const int64_t per = (tiles + n - 1) / n;
+        max_tiles = per > max_tiles ? per : max_tiles;
+        tasks += n * a->num_kv_heads;
+    }
+    const size_t kt_bytes = (size_t)PS_PF_PANEL * a->head_dim * sizeof(float);
+    const size_t st_bytes = (size_t)max_tiles * sizeof(ps_pf_state);
+    int64_t taken = 0, done = 0;
+#pragma omp parallel num_threads(a->num_threads)
+    {
+        float *kt = aligned_alloc(64, kt_bytes);
+        ps_pf_state *st = aligned_alloc(64, st_bytes);
+        if (kt && st) {
+            for (int64_t task = __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED); task < tasks;
+                 task = __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED)) {
+                int64_t rest = task, c = 0, n = ps_pf_parts(a, 0);
+                while (rest >= n * a->num_kv_heads) {
+                    rest -= n * a->num_kv_heads;
+                    n = ps_pf_parts(a, ++c);
+                }
+                const int64_t part = rest / a->num_kv_heads, g = rest % a->num_kv_heads;
+                const int64_t vectors = a->query_lens[c] * G;
+                const int64_t per = ((vectors + PS_PF_MR - 1) / PS_PF_MR + n - 1) / n * PS_PF_MR;
+                const int64_t v0 = part * per;
+                const int64_t v1 = v0 + per < vectors ? v0 + per : vectors;
+                if (v0 < v1) ps_pf_prefix_task(a, c, g, v0, v1, kt, st);
+                __atomic_fetch_add(&done, 1, __ATOMIC_RELAXED);
+            }
+        }
+        free(kt);
+        free(st);
+    }
+    return done == tasks ? 0 : -2; /* -2: no thread could allocate its buffers */
+}
+
 int ps_prefill_attention_f32(const ps_prefill_args *a) {
     if (a->head_dim > PS_MAX_HEAD_DIM || a->head_dim % PS_WIDE_LANES != 0 ||
         a->num_kv_heads <= 0 || a->num_heads % a->num_kv_heads != 0 || a->block_size <= 0)
         return -1;
+    if (a->all_keys) return ps_pf_prefix_attention(a);
     /* tasks: (chunk, KV head, span of PS_PF_SPAN tokens), the chunks' last spans (the most
      * keys) first, taken dynamically */
     int64_t spans = 0, kmax = 0;
