@@ -115,6 +115,10 @@ def install_timers() -> None:
     patch(Engine, "_output", "engine.output")
     patch(IncrementalDetokenizer, "add", "detok.add")
     patch(NativeDecode, "decode", "attn.native_decode")
+    # the tiled kernel: causal prefill chunks, and the cascade's shared prefixes where the
+    # policy runs them in C (native_prefill counts both calls)
+    patch(NativeDecode, "prefill", "attn.native_prefill")
+    patch(torch_backend, "native_shared_prefixes", "attn.native_shared_prefixes")
     # projections go through worker.models.layers.linear (oneDNN on CPUs), not F.linear
     layers.linear = timer("linear", layers.linear, record_linear)
     decoder.linear = timer("linear", decoder.linear, record_linear)

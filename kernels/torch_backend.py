@@ -13,13 +13,15 @@ while it is still in the CPU's caches:
   returns the log-sum-exp; each sequence attends to the rest of its context as below, and the two
   partial results are merged exactly: ``o = lerp(o_rest, o_prefix, sigmoid(lse_prefix -
   lse_rest))``. With a sliding window nothing is shared (every sequence reads its own window).
-  With the C kernels, a group is formed only where :class:`CascadePolicy` says the group's flash
-  call beats the kernels reading the prefix in place (which depends on the kernels' vector
-  width: a prefix of 8 MiB of K+V per layer with 16-float vectors, 32K query x shared tokens
-  with 8-float ones), never for a prefill chunk the tiled kernel takes.
+  With the C kernels, a group is formed only where :class:`CascadePolicy` says it beats the
+  kernels reading the prefix in place (32K query x shared tokens), never for a prefill chunk
+  the tiled kernel takes; with 16-float vectors the groups run in the tiled C kernel's
+  all-keys mode instead of a flash call, and decode rows in the C kernel continue their
+  group's result (its output and log-sum-exp start the row's online softmax: no merge).
 * decode tokens with float32 caches go to the C kernel of :mod:`kernels.native` when it is built:
   one call per layer for every decode row, reading its blocks in place through the block table
-  (no gather), writing the output rows and their log-sum-exp for the shared-prefix merge. On
+  (no gather) and writing the output rows; a row in a shared-prefix group starts from its
+  group's output and log-sum-exp (from either kind of group), so it needs no merge. On
   2 EPYC cores it runs decode attention 2-3x faster than the torch path below, which remains the
   fallback (no compiler, other dtypes or shapes) and is tested against the same reference.
 * decode tokens in torch (``query_len == 1``) are sorted by the number of blocks they read and
@@ -59,8 +61,14 @@ import torch
 
 from kernels import native as native_kernel
 from kernels.metadata import AttentionMetadata
-from kernels.native import NativeDecode
-from kernels.torch_cascade import merge_into, shared_prefixes, split_shared
+from kernels.native import NativeDecode, PrefixStart
+from kernels.torch_cascade import (
+    merge_into,
+    native_shared_prefixes,
+    shared_chunks,
+    shared_prefixes,
+    split_shared,
+)
 from kernels.torch_ops import Workspace, decode_chunk, prefill_chunk
 from kernels.torch_plan import (
     CHUNK_BYTES,
@@ -91,14 +99,21 @@ class CascadePolicy:
 
     min_bytes: int = 0
     min_work: int = 0
+    #: the groups run in the tiled C kernel's all-keys mode (reading the prefix's blocks in
+    #: place) instead of torch's gather and flash call; needs the tiled prefill kernel
+    in_kernel: bool = False
 
 
-#: 16-float (AVX-512) builds of the C kernels. Measured on 2 Zen 4 cores (decode only, 32 / 96
-#: rows, 8/4 and 9/3 heads of 64): per-row reads in the kernel against the cascade 0.97-1.25x
-#: as fast at 1.5-2 MB, 0.88-1.17x at 6-8 MB, 0.91-1.14x at 12-16 MB; in the engine
-#: (``shared-prefix``, 1024 shared tokens, 1.5-2 MB) no group at all ran 1.03x (bench model) and
-#: 1.16x (SmolLM2) the cascade's rate.
-WIDE_CASCADE = CascadePolicy(min_bytes=8 << 20)
+#: 16-float (AVX-512) builds of the C kernels: the groups run in the tiled kernel's all-keys
+#: mode (12 x 16 register tiles over the prefix read in place), and each decode row continues
+#: its group's result in the decode kernel. Measured on 2 Zen 4 cores (decode only, per layer,
+#: K/V from DRAM, 8-96 rows x 512-4096 shared tokens, 8/4 and 9/3 heads of 64), against per-row
+#: reads of the prefix in the decode kernel: 0.75-0.82x at 8K query x shared tokens, 0.92-0.98x
+#: at 16K, 1.01-1.15x at 32K, 1.19-1.50x at 48-128K; torch's flash call for the same groups
+#: 0.7-0.85x the kernel's rate. In the engine (``shared-prefix``, one process, 6 rotated rounds)
+#: 1.026x (bench model, 96K) and 1.032x (SmolLM2, 48K) the per-row reads (issue #17's
+#: eighteenth session; before it, torch's flash call for groups of 8 MiB and more).
+WIDE_CASCADE = CascadePolicy(min_work=32 * 1024, in_kernel=True)
 #: 8-float (AVX2-only) builds: there the decode kernel is bound by its own arithmetic on hot
 #: blocks (bench/README.md, the twelfth session), and the group's flash call (GEMMs) wins once
 #: the group has work enough to pay for its gather and merges. Measured on 2 Zen 3 cores (16-96
@@ -144,6 +159,9 @@ def _make_decode_plan(
         shared, prefill_shared = split_shared(
             plan, meta, rows, block_size, grouped, min_blocks, policy.min_work
         )
+    shared_native = None
+    if native and tiled_prefill and cascade is not None and cascade.in_kernel:
+        shared_native = shared_chunks(shared, block_size, meta)
     device = meta.block_tables.device
     prefill = [
         prefill_work(pre, sh, block_size, window, cdt, device)
@@ -158,7 +176,7 @@ def _make_decode_plan(
                 in_kernel.append(pre)
         if rows or in_kernel:
             native_work = make_native(rows, meta, in_kernel, tiled_prefill)
-            return DecodePlan(shared, [], prefill, native_work)
+            return DecodePlan(shared, [], prefill, native_work, shared_native)
     rows.sort(key=lambda r: r.num_blocks)
     table = meta.block_tables.to(torch.long)
     chunks = [
@@ -292,7 +310,14 @@ class TorchBackend:
             return out
         cdt = compute_dtype(query.dtype)
         work = self._get_decode_chunks(query, meta, k_cache, sliding_window, cdt)
-        shared = shared_prefixes(query, k_cache, v_cache, work.shared, scale, cdt, self._workspace)
+        if work.shared_native is not None and self._native is not None:
+            shared: tuple[torch.Tensor, torch.Tensor] | None = native_shared_prefixes(
+                query, k_cache, v_cache, work.shared_native, scale, self._native
+            )
+        else:
+            shared = shared_prefixes(
+                query, k_cache, v_cache, work.shared, scale, cdt, self._workspace
+            )
         if work.native is not None:
             self._native_decode(
                 query, k_cache, v_cache, work.native, scale, sliding_window, out, shared
@@ -328,7 +353,7 @@ class TorchBackend:
         shared: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> None:
         """Every decode row in one C call writing ``out`` (and the prefill chunks in one
-        more); then the shared-prefix merges."""
+        more); a row in a shared-prefix group continues its prefix's result in the kernel."""
         assert self._native is not None
         if work.prefill is not None:
             self._native.prefill(
@@ -337,16 +362,10 @@ class TorchBackend:
         if work.rows.num_rows == 0:
             return
         lse = torch.empty(work.rows.num_rows, query.shape[1], dtype=torch.float32)
+        start = None
+        if work.slots is not None and shared is not None:
+            # torch's flash call returns transposed views; the C kernel reads by pointer
+            start = PrefixStart(shared[0].contiguous(), shared[1].contiguous(), work.slots)
         self._native.decode(
-            query, k_cache, v_cache, work.block_tables, work.rows, scale, window, out, lse
+            query, k_cache, v_cache, work.block_tables, work.rows, scale, window, out, lse, start
         )
-        m = work.merge
-        if m is None or shared is None:
-            return
-        merged = merge_into(
-            out.index_select(0, m.tokens),
-            lse.index_select(0, m.rows),
-            Merge(local=None, slots=m.slots),
-            *shared,
-        )
-        out.index_copy_(0, m.tokens, merged)

@@ -12,8 +12,17 @@ from __future__ import annotations
 import torch
 
 from kernels.metadata import AttentionMetadata
+from kernels.native import NativeDecode, PrefillChunks
 from kernels.torch_ops import Workspace, flash
-from kernels.torch_plan import DecodeRow, Merge, SharedGroup, StepPlan, long_tensor
+from kernels.torch_plan import (
+    DecodeRow,
+    Merge,
+    SharedChunks,
+    SharedGroup,
+    StepPlan,
+    int32_tables,
+    long_tensor,
+)
 
 
 def _common_prefix(tables: list[list[int]], limit: int) -> int:
@@ -58,7 +67,7 @@ def _find_shared_groups(
 
 
 def _make_shared_group(
-    token_rows: list[int], prefix: list[int], device: torch.device
+    token_rows: list[int], prefix: list[int], device: torch.device, seq_index: int = 0
 ) -> SharedGroup:
     first_id = prefix[0]
     return SharedGroup(
@@ -67,6 +76,7 @@ def _make_shared_group(
         first_id=first_id,
         contiguous=prefix == list(range(first_id, first_id + len(prefix))),
         num_blocks=len(prefix),
+        seq_index=seq_index,
     )
 
 
@@ -123,9 +133,49 @@ def split_shared(
                 prefill[i - n] = (num_shared, slice(slot, slot + pre.query_len))
                 token_rows.extend(range(pre.start, pre.start + pre.query_len))
                 slot += pre.query_len
-        prefix = tables[members[0]][:num_shared]
-        shared.append(_make_shared_group(token_rows, prefix, meta.block_tables.device))
+        first = members[0]
+        seq_index = rows[first].seq_index if first < n else plan.prefill[first - n].seq_index
+        prefix = tables[first][:num_shared]
+        shared.append(_make_shared_group(token_rows, prefix, meta.block_tables.device, seq_index))
     return shared, prefill
+
+
+def shared_chunks(
+    groups: list[SharedGroup], block_size: int, meta: AttentionMetadata
+) -> SharedChunks | None:
+    """The groups as chunks of the C kernel's all-keys mode (:func:`native_shared_prefixes`),
+    built once per step; None without groups."""
+    if not groups:
+        return None
+    sizes = [int(g.token_idx.shape[0]) for g in groups]
+    starts = [0]
+    for size in sizes[:-1]:
+        starts.append(starts[-1] + size)
+    chunks = PrefillChunks(
+        starts=torch.tensor(starts, dtype=torch.long),
+        query_lens=torch.tensor(sizes, dtype=torch.long),
+        seq_lens=torch.tensor([g.num_blocks * block_size for g in groups], dtype=torch.long),
+        seq_index=torch.tensor([g.seq_index for g in groups], dtype=torch.long),
+    )
+    token_idx = torch.cat([g.token_idx for g in groups])
+    return SharedChunks(token_idx, chunks, int32_tables(meta))
+
+
+def native_shared_prefixes(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    work: SharedChunks,
+    scale: float,
+    kernel: NativeDecode,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`shared_prefixes` in the tiled C kernel (float32): every group's query rows
+    against its prefix's blocks read in place (no gather, no flash call)."""
+    rows = work.token_idx
+    out = torch.empty(rows.shape[0], query.shape[1], query.shape[2], dtype=torch.float32)
+    lse = torch.empty(rows.shape[0], query.shape[1], dtype=torch.float32)
+    kernel.prefill(query, k_cache, v_cache, work.block_tables, work.chunks, scale, out, lse, rows)
+    return out, lse
 
 
 def shared_prefixes(

@@ -58,6 +58,7 @@ class SharedGroup:
     first_id: int  # block_ids[0]
     contiguous: bool  # block_ids == first_id + arange(num_blocks): read as a slice, no gather
     num_blocks: int
+    seq_index: int = 0  # a member's row of the block table (its first num_blocks are the prefix)
 
 
 # Where the tiled prefill kernel does not apply (see next), prefill chunks whose context is at
@@ -86,22 +87,16 @@ class PrefillWork:
 
 
 @dataclass
-class NativeMerge:
-    """Decode rows whose context starts with a shared prefix computed separately."""
-
-    tokens: torch.Tensor  # int64 [m]: their rows of the flat batch (and of ``out``)
-    rows: torch.Tensor  # int64 [m]: their rows in the kernel's lse output
-    slots: torch.Tensor | slice  # their rows of the step's shared-prefix results
-
-
-@dataclass
 class NativeWork:
-    """Every decode row of the step for the C kernel, the rows to merge with a prefix, and
-    the prefill chunks for the tiled prefill kernel (None: none, or they are decode rows)."""
+    """Every decode row of the step for the C kernel, where each continues a shared prefix,
+    and the prefill chunks for the tiled prefill kernel (None: none, or they are decode rows)."""
 
     rows: DecodeRows
     block_tables: torch.Tensor  # int32, contiguous
-    merge: NativeMerge | None
+    #: int64 [n]: per kernel row its row of the step's shared-prefix results, -1 for none
+    #: (the kernel starts from that result, :class:`kernels.native.PrefixStart`); None: no
+    #: row is in a group
+    slots: torch.Tensor | None
     prefill: PrefillChunks | None = None
 
 
@@ -113,6 +108,18 @@ class DecodePlan:
     chunks: list[DecodeChunk]
     prefill: list[PrefillWork]
     native: NativeWork | None = None  # set instead of ``chunks`` when the C kernel runs
+    #: the groups for the C kernel's cascade mode (None: torch's flash call reads them)
+    shared_native: SharedChunks | None = None
+
+
+@dataclass
+class SharedChunks:
+    """The step's shared-prefix groups as chunks of the tiled kernel's all-keys mode: the
+    grouped query rows gathered in the groups' order, one chunk per group."""
+
+    token_idx: torch.Tensor  # int64 [S]: rows of the flat batch, group after group
+    chunks: PrefillChunks  # starts in the gathered rows, group sizes, prefix lengths, table rows
+    block_tables: torch.Tensor  # int32, contiguous
 
 
 @dataclass
@@ -289,13 +296,22 @@ def prefill_work(
     return PrefillWork(first, mask[None, None], slots)
 
 
+def int32_tables(meta: AttentionMetadata) -> torch.Tensor:
+    """The block table as the C kernels take it (int32, contiguous)."""
+    tables = meta.block_tables
+    if tables.dtype != torch.int32 or not tables.is_contiguous():
+        tables = tables.to(torch.int32).contiguous()
+    return tables
+
+
 def make_native(
     rows: list[DecodeRow],
     meta: AttentionMetadata,
     prefill: list[Prefill] | None = None,
     tiled_prefill: bool = False,
 ) -> NativeWork:
-    """Rows longest first (the kernel's threads take them in order), merges by LSE after.
+    """Rows longest first (the kernel's threads take them in order), each continuing its
+    shared prefix's result where it is in a group.
     The ``prefill`` chunks go to the tiled prefill kernel (``tiled_prefill``), else their
     tokens follow as decode rows (:func:`prefill_rows`), a prompt at a time: its keys stay in
     the core's L2 while its rows run."""
@@ -317,15 +333,8 @@ def make_native(
         )
     elif prefill:
         kernel_rows = kernel_rows.then(prefill_rows(prefill, device))
-    merged = [i for i, r in enumerate(rows) if r.shared_slot >= 0]
-    tables = meta.block_tables
-    if tables.dtype != torch.int32 or not tables.is_contiguous():
-        tables = tables.to(torch.int32).contiguous()
-    merge = None
-    if merged:
-        merge = NativeMerge(
-            tokens=long_tensor([rows[i].token_row for i in merged], device),
-            rows=long_tensor(merged, device),
-            slots=slots_index([rows[i].shared_slot for i in merged], device),
-        )
-    return NativeWork(kernel_rows, tables, merge, chunks)
+    slots = None
+    if any(r.shared_slot >= 0 for r in rows):
+        padded = [r.shared_slot for r in rows] + [-1] * (kernel_rows.num_rows - len(rows))
+        slots = long_tensor(padded, device)
+    return NativeWork(kernel_rows, int32_tables(meta), slots, chunks)

@@ -286,6 +286,116 @@ def test_log_sum_exp_output() -> None:
     torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-4)
 
 
+def _dense_prefix(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    blocks: list[int],
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 attention of ``query`` [S, H, D] over every key of ``blocks``: (out, lse)."""
+    num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
+    ids = torch.tensor(blocks)
+    keys = k_cache[ids].double().flatten(0, 1).repeat_interleave(num_heads // num_kv_heads, 1)
+    values = v_cache[ids].double().flatten(0, 1).repeat_interleave(num_heads // num_kv_heads, 1)
+    scores = torch.einsum("shd,lhd->shl", query.double(), keys) * scale
+    out = torch.einsum("shl,lhd->shd", torch.softmax(scores, -1), values)
+    return out, torch.logsumexp(scores, -1)
+
+
+@needs_compiler
+@pytest.mark.parametrize("narrow", [False, True])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"),
+    [(8, 4, 64), (9, 3, 64), (14, 2, 64), (16, 4, 128), (8, 1, 96), (4, 2, 32)],
+)
+def test_shared_prefixes_in_the_tiled_kernel(
+    num_heads: int, num_kv_heads: int, head_dim: int, narrow: bool
+) -> None:
+    """The tiled kernel's all-keys mode (a cascade's groups): every query row of a group sees
+    all keys of its prefix, read through a table row, with no mask; out and lse match a dense
+    float64 softmax. Groups of 1 to 130 rows (a task spans 64 tokens), prefixes of one block
+    to past two key panels (256 keys), in both vector widths."""
+    lib = native.load()
+    assert lib is not None
+    if narrow:
+        lib = native.NativeDecode(native.build(flags=[*native.FLAGS, "-DPS_WIDE_LANES=8"]))
+    gen = torch.Generator().manual_seed(num_heads * head_dim)
+    block_size, pool = 16, 96
+    k_cache = torch.randn(pool, block_size, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(pool, block_size, num_kv_heads, head_dim, generator=gen)
+    groups = [(1, 1), (7, 3), (130, 17), (40, 38)]  # (query rows, prefix blocks)
+    perm = torch.randperm(pool, generator=gen).tolist()
+    table = torch.zeros(len(groups), max(n for _, n in groups), dtype=torch.int32)
+    rows_of = list(range(len(groups)))[::-1]  # group i reads table row rows_of[i]
+    for i, (_, n) in enumerate(groups):
+        table[rows_of[i], :n] = torch.tensor(perm[:n], dtype=torch.int32)  # scattered blocks
+        perm = perm[n:] + perm[:n]
+    sizes = [g for g, _ in groups]
+    query = torch.randn(sum(sizes), num_heads, head_dim, generator=gen)
+    starts = torch.tensor([sum(sizes[:i]) for i in range(len(sizes))])
+    chunks = native.PrefillChunks(
+        starts=starts,
+        query_lens=torch.tensor(sizes),
+        seq_lens=torch.tensor([n * block_size for _, n in groups]),
+        seq_index=torch.tensor(rows_of),
+    )
+    out = torch.full_like(query, float("nan"))
+    lse = torch.full((query.shape[0], num_heads), float("nan"))
+    scale = head_dim**-0.5
+    lib.prefill(query, k_cache, v_cache, table, chunks, scale, out, lse)
+    for i, (rows, n) in enumerate(groups):
+        span = slice(int(starts[i]), int(starts[i]) + rows)
+        blocks = table[rows_of[i], :n].tolist()
+        ref_out, ref_lse = _dense_prefix(query[span], k_cache, v_cache, blocks, scale)
+        torch.testing.assert_close(out[span].double(), ref_out, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(lse[span].double(), ref_lse, atol=2e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="lse"):
+        lib.prefill(query, k_cache, v_cache, table, chunks, scale, out, lse[:, :1])
+
+
+@needs_compiler
+def test_decode_rows_continue_a_prefix_result() -> None:
+    """A decode row given its prefix's (out, lse) and reading only its own blocks returns the
+    attention over the whole context; a row with slot -1 starts empty; bad starts are refused."""
+    lib = native.load()
+    assert lib is not None
+    s_lens = [70, 90, 33]
+    batch = make_batch([1] * 3, s_lens, num_heads=6, num_kv_heads=2, head_dim=32, block_size=16)
+    table = batch.meta.block_tables
+    scale = 32**-0.5
+    expected = reference_paged_attention(
+        batch.query.double(), batch.k_cache.double(), batch.v_cache.double(), batch.meta, scale
+    )
+    prefix = [2, 4]  # blocks of rows 0 and 1 computed as "the prefix"; row 2 reads all
+    starts = []
+    for b, n in enumerate(prefix):
+        blocks = table[b, :n].tolist()
+        starts.append(_dense_prefix(batch.query[b : b + 1], batch.k_cache, batch.v_cache, blocks,
+                                    scale))  # fmt: skip
+    start = native.PrefixStart(  # slots in reverse: row 0 reads slot 1, row 1 slot 0
+        out=torch.cat([o for o, _ in starts[::-1]]).float(),
+        lse=torch.cat([lse for _, lse in starts[::-1]]).float(),
+        slots=torch.tensor([1, 0, -1]),
+    )
+    rows = native.DecodeRows(
+        token_rows=torch.arange(3), seq_index=torch.arange(3),
+        first_block=torch.tensor([*prefix, 0]), seq_lens=torch.tensor(s_lens),
+    )  # fmt: skip
+    out = torch.empty_like(batch.query)
+    lse = torch.empty(3, 6)
+    lib.decode(batch.query, batch.k_cache, batch.v_cache, table, rows, scale, None, out, lse,
+               start)  # fmt: skip
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-4)
+    bad = native.PrefixStart(start.out, start.lse, torch.tensor([2, 0, -1]))  # slot 2 of 2
+    with pytest.raises(ValueError, match="native decode"):
+        lib.decode(batch.query, batch.k_cache, batch.v_cache, table, rows, scale, None, out,
+                   lse, bad)  # fmt: skip
+    with pytest.raises(ValueError, match="prefix start"):
+        lib.decode(batch.query, batch.k_cache, batch.v_cache, table, rows, scale, None, out,
+                   lse, native.PrefixStart(start.out.double(), start.lse, start.slots))  # fmt: skip
+
+
 @needs_compiler
 @pytest.mark.parametrize(
     ("head_dim", "block_size", "dtype"),
@@ -378,9 +488,11 @@ def test_small_shared_prefixes_stay_in_the_kernels(tiled: bool) -> None:
 
 @needs_compiler
 def test_cascade_policy_follows_the_vector_width() -> None:
-    """The measured policy of each build: by bytes with 16-float vectors, by work with 8."""
+    """The measured policy of each build: groups in the tiled kernel with 16-float vectors,
+    in torch's flash call with 8; both from 32K query x shared tokens."""
     kernel = native.load()
     assert kernel is not None
     expected = WIDE_CASCADE if kernel.prefill_lanes == 16 else NARROW_CASCADE
     assert cascade_policy(kernel) == expected
     assert TorchBackend(native=True)._cascade == expected
+    assert WIDE_CASCADE.in_kernel and not NARROW_CASCADE.in_kernel

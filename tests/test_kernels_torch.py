@@ -16,19 +16,21 @@ from kernels.testing import PagedBatch, make_batch, share_prefix
 from kernels.torch_backend import TorchBackend
 
 
-@pytest.fixture(autouse=True, scope="module", params=["torch", "native"])
+@pytest.fixture(autouse=True, scope="module", params=["torch", "native", "native-cascade"])
 def decode_path(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Every test twice: decodes in plain torch, and through the C kernel (float32 only; other
-    dtypes and shapes stay in torch either way), with cascade groups for every shared prefix
-    (the C kernel's default leaves small ones to the kernel: tests/test_kernels_native.py).
-    Module-scoped so hypothesis accepts it."""
+    """Every test three times: decodes in plain torch; through the C kernel (float32 only;
+    other dtypes and shapes stay in torch either way) with the cascade's groups in torch's
+    flash call; and through the C kernel with the groups in the tiled kernel's all-keys mode.
+    Cascade groups form for every shared prefix (the C kernel's default leaves small ones to
+    the kernel: tests/test_kernels_native.py). Module-scoped so hypothesis accepts it."""
     original, policy = native_kernel.load, torch_backend.cascade_policy
-    if request.param == "native" and original() is None:
+    if request.param != "torch" and original() is None:
         pytest.skip("the native decode kernel did not build here (no C compiler?)")
     if request.param == "torch":
         native_kernel.load = lambda: None
     # the cascade's groups and merges are checked with the C kernel too, on small prefixes
-    torch_backend.cascade_policy = lambda kernel: torch_backend.CascadePolicy()
+    in_kernel = request.param == "native-cascade"
+    torch_backend.cascade_policy = lambda kernel: torch_backend.CascadePolicy(in_kernel=in_kernel)
     yield request.param
     native_kernel.load, torch_backend.cascade_policy = original, policy
 
@@ -237,6 +239,11 @@ def shared_group_sizes(backend: TorchBackend) -> list[tuple[int, int]]:
     )
 
 
+def groups_in_tiled_kernel(backend: TorchBackend) -> list[bool]:
+    """Per planned (window, dtype) with groups: whether its groups ran in the tiled kernel."""
+    return [d.shared_native is not None for d in backend._plan.decode.values() if d.shared]
+
+
 def shared_batch(
     groups: list[tuple[int, int, list[int]]],
     others: list[tuple[int, int]],
@@ -290,6 +297,7 @@ def test_shared_prefix_decode(
     num_seqs: int,
     blocks: int,
     tails: list[int],
+    decode_path: str,
 ) -> None:
     batch = shared_batch(
         [(num_seqs, blocks, tails)], [], block_size=block_size, num_heads=num_heads,
@@ -298,6 +306,7 @@ def test_shared_prefix_decode(
     backend = TorchBackend()
     run_and_compare(batch, backend=backend)
     assert shared_group_sizes(backend) == [(num_seqs, blocks)]
+    assert groups_in_tiled_kernel(backend) == [decode_path == "native-cascade"]
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 32])
