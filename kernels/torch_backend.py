@@ -110,7 +110,7 @@ class CascadePolicy:
 #: K/V from DRAM, 8-96 rows x 512-4096 shared tokens, 8/4 and 9/3 heads of 64), against per-row
 #: reads of the prefix in the decode kernel: 0.75-0.82x at 8K query x shared tokens, 0.92-0.98x
 #: at 16K, 1.01-1.15x at 32K, 1.19-1.50x at 48-128K; torch's flash call for the same groups
-#: 0.7-0.85x the kernel's rate. In the engine (``shared-prefix``, one process, 6 rotated rounds)
+#: 0.64-0.83x the kernel's rate. In the engine (``shared-prefix``, one process, 6 rotated rounds)
 #: 1.026x (bench model, 96K) and 1.032x (SmolLM2, 48K) the per-row reads (issue #17's
 #: eighteenth session; before it, torch's flash call for groups of 8 MiB and more).
 WIDE_CASCADE = CascadePolicy(min_work=32 * 1024, in_kernel=True)
