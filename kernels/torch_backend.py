@@ -159,9 +159,6 @@ def _make_decode_plan(
         shared, prefill_shared = split_shared(
             plan, meta, rows, block_size, grouped, min_blocks, policy.min_work
         )
-    shared_native = None
-    if native and tiled_prefill and cascade is not None and cascade.in_kernel:
-        shared_native = shared_chunks(shared, block_size, meta)
     device = meta.block_tables.device
     prefill = [
         prefill_work(pre, sh, block_size, window, cdt, device)
@@ -176,6 +173,9 @@ def _make_decode_plan(
                 in_kernel.append(pre)
         if rows or in_kernel:
             native_work = make_native(rows, meta, in_kernel, tiled_prefill)
+            shared_native = None
+            if tiled_prefill and cascade is not None and cascade.in_kernel:
+                shared_native = shared_chunks(shared, block_size, native_work.block_tables)
             return DecodePlan(shared, [], prefill, native_work, shared_native)
     rows.sort(key=lambda r: r.num_blocks)
     table = meta.block_tables.to(torch.long)

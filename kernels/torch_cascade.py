@@ -9,6 +9,8 @@ attention over the rest of each sequence's context.
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 
 from kernels.metadata import AttentionMetadata
@@ -20,7 +22,6 @@ from kernels.torch_plan import (
     SharedChunks,
     SharedGroup,
     StepPlan,
-    int32_tables,
     long_tensor,
 )
 
@@ -67,7 +68,7 @@ def _find_shared_groups(
 
 
 def _make_shared_group(
-    token_rows: list[int], prefix: list[int], device: torch.device, seq_index: int = 0
+    token_rows: list[int], prefix: list[int], device: torch.device, seq_index: int
 ) -> SharedGroup:
     first_id = prefix[0]
     return SharedGroup(
@@ -141,24 +142,22 @@ def split_shared(
 
 
 def shared_chunks(
-    groups: list[SharedGroup], block_size: int, meta: AttentionMetadata
+    groups: list[SharedGroup], block_size: int, block_tables: torch.Tensor
 ) -> SharedChunks | None:
     """The groups as chunks of the C kernel's all-keys mode (:func:`native_shared_prefixes`),
-    built once per step; None without groups."""
+    built once per step; None without groups. ``block_tables``: the step's int32 contiguous
+    table (the one the C decode call takes)."""
     if not groups:
         return None
     sizes = [int(g.token_idx.shape[0]) for g in groups]
-    starts = [0]
-    for size in sizes[:-1]:
-        starts.append(starts[-1] + size)
+    device = block_tables.device
     chunks = PrefillChunks(
-        starts=torch.tensor(starts, dtype=torch.long),
-        query_lens=torch.tensor(sizes, dtype=torch.long),
-        seq_lens=torch.tensor([g.num_blocks * block_size for g in groups], dtype=torch.long),
-        seq_index=torch.tensor([g.seq_index for g in groups], dtype=torch.long),
+        starts=long_tensor([0, *accumulate(sizes[:-1])], device),
+        query_lens=long_tensor(sizes, device),
+        seq_lens=long_tensor([g.num_blocks * block_size for g in groups], device),
+        seq_index=long_tensor([g.seq_index for g in groups], device),
     )
-    token_idx = torch.cat([g.token_idx for g in groups])
-    return SharedChunks(token_idx, chunks, int32_tables(meta))
+    return SharedChunks(torch.cat([g.token_idx for g in groups]), chunks, block_tables)
 
 
 def native_shared_prefixes(

@@ -58,7 +58,7 @@ class SharedGroup:
     first_id: int  # block_ids[0]
     contiguous: bool  # block_ids == first_id + arange(num_blocks): read as a slice, no gather
     num_blocks: int
-    seq_index: int = 0  # a member's row of the block table (its first num_blocks are the prefix)
+    seq_index: int  # a member's row of the block table (its first num_blocks are the prefix)
 
 
 # Where the tiled prefill kernel does not apply (see next), prefill chunks whose context is at
