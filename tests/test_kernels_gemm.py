@@ -96,6 +96,34 @@ def test_a_row_gives_the_same_bits_alone_or_in_a_batch(gemm: native_gemm.NativeG
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("rows", [1, 12, 64, 97, 256])
+def test_requests_for_the_next_block_change_no_value(
+    gemm: native_gemm.NativeGemm, rows: int
+) -> None:
+    """Decode-sized calls ask for each thread's next block of weight panels while the current
+    one is multiplied (``PS_GEMM_NEXT``), also across row chunks (K 1536 splits 97 and 256 rows
+    into several): the same bits as a build without the requests, for both thread counts."""
+    plain = native_gemm.load(flags=[*gemm_flags(gemm), "-DPS_GEMM_NEXT=0"])
+    assert plain is not None
+    gen = torch.Generator().manual_seed(rows)
+    for n, k in ((1000, 100), (200, 1536), (3072, 576)):
+        weight, bias = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+        x = torch.randn(rows, k, generator=gen)
+        w, w_plain = gemm.pack(weight), plain.pack(weight)
+        threads = torch.get_num_threads()
+        try:
+            for t in {1, max(2, threads)}:
+                torch.set_num_threads(t)
+                assert torch.equal(w.matmul(x, bias), w_plain.matmul(x, bias))
+        finally:
+            torch.set_num_threads(threads)
+
+
+def gemm_flags(gemm: native_gemm.NativeGemm) -> list[str]:
+    """The flags ``gemm`` was built with (its panel width tells the build)."""
+    return BUILDS["wide"] if gemm.panel_width == 32 else BUILDS["narrow"]
+
+
 def test_strided_rows_leading_dims_and_empty_input(gemm: native_gemm.NativeGemm) -> None:
     gen = torch.Generator().manual_seed(9)
     weight = torch.randn(24, 16, generator=gen)
