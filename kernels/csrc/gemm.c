@@ -57,8 +57,9 @@
  * Why: only the first row tile of a block reads it from memory (the rest find it in L2), so
  * without this the weight stream ran in bursts during a sixth of a 64-row call and the core
  * sat on misses meanwhile; with the requests spread, the stream overlaps the other tiles'
- * multiply-adds. Intel Xeon (AVX-512, 2 threads), each layer's weights after an 80 MB read:
- * 48-128 rows 1.09-1.16x, 16 rows 1.04-1.09x, bit-identical. Only for calls of up to
+ * multiply-adds. Intel Xeon (AVX-512, 2 threads), each layer's weights after an 80 MB read
+ * (from its 480 MB L3): 48-128 rows 1.09-1.16x, 16 rows 1.04-1.09x, bit-identical; the engine
+ * 1.03-1.06x. Only for calls of up to
  * PS_GEMM_NEXT_ROWS rows: at 2048 rows (x in chunks of tens of rows, each going over all the
  * weights, which the hardware streams well from L3) the requests cost 4-5%. 0 switches it
  * off. */
