@@ -115,7 +115,8 @@ class DecodePlan:
 @dataclass
 class SharedChunks:
     """The step's shared-prefix groups as chunks of the tiled kernel's all-keys mode: the
-    grouped query rows gathered in the groups' order, one chunk per group."""
+    grouped query rows listed group after group (read by index, not copied), one chunk per
+    group."""
 
     token_idx: torch.Tensor  # int64 [S]: rows of the flat batch, group after group
     chunks: PrefillChunks  # starts in the gathered rows, group sizes, prefix lengths, table rows

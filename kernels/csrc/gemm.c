@@ -59,10 +59,9 @@
  * sat on misses meanwhile; with the requests spread, the stream overlaps the other tiles'
  * multiply-adds. Intel Xeon (AVX-512, 2 threads), each layer's weights after an 80 MB read
  * (from its 480 MB L3): 48-128 rows 1.09-1.16x, 16 rows 1.04-1.09x, bit-identical; the engine
- * 1.03-1.06x. Only for calls of up to
- * PS_GEMM_NEXT_ROWS rows: at 2048 rows (x in chunks of tens of rows, each going over all the
- * weights, which the hardware streams well from L3) the requests cost 4-5%. 0 switches it
- * off. */
+ * 1.03-1.06x. Only for calls of up to PS_GEMM_NEXT_ROWS rows: at 2048 rows (x in chunks of
+ * tens of rows, each going over all the weights, which the hardware streams well from L3) the
+ * requests cost 4-5%. 0 switches it off. */
 #ifndef PS_GEMM_NEXT
 #define PS_GEMM_NEXT 1
 #endif
@@ -191,9 +190,8 @@ static ps_gemm_ahead ps_gemm_next_block(const float *wp, int64_t K, int64_t b0, 
     ps_gemm_ahead a = {0, 0, 0, 0};
     const int64_t n0 = b1 < p1 ? b1 : wrap ? p0 : p1;
     const int64_t n1 = n0 + per_block < p1 ? n0 + per_block : p1;
-    const int64_t steps = tiles * (b1 - b0) * K;
-    if (n1 <= n0 || steps <= 0 || (n0 == b0 && b0 == p0 && b1 == p1))
-        return a; /* nothing next, or the next is this block itself */
+    const int64_t steps = tiles * (b1 - b0) * K; /* > 0: M, K and the block are not empty */
+    if (n1 <= n0 || n0 == b0) return a; /* nothing next, or a wrap onto this block itself */
     a.p = (const char *)(wp + n0 * K * PS_GEMM_NR);
     a.left = (n1 - n0) * K * PS_GEMM_NR * (int64_t)sizeof(float) / 64;
     a.inc = (((uint64_t)a.left << 16) + (uint64_t)steps - 1) / (uint64_t)steps;
