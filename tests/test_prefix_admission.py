@@ -337,28 +337,32 @@ def test_kill9_with_admission_every_job_exactly_once(
     client = Client(redis_url)
     pre = prefixes(4, length=48)
     prompts = [pre[random.Random(i).randrange(4)] + [4 + i % 400] for i in range(200)]
-    ids = client.submit_many(prompts, {**SHORT, "max_tokens": 24}, priority="bulk")
     opts = ("--max-num-seqs", "16", "--affinity-ttl-ms", "1000", "--admission-steal-ms", "1000",
             "--admission", "prefix")  # fmt: skip
-    a = start_worker(redis_url, model_dir, "a", *opts, ready=False)
-    b = start_worker(redis_url, model_dir, "b", *opts, ready=False)
-    a.wait_ready(120), b.wait_ready(120)
+    workers = {w: start_worker(redis_url, model_dir, w, *opts, ready=False) for w in ("a", "b")}
+    for w in workers.values():
+        w.wait_ready(120)
+    # Jobs go in once both pull: queued before, one worker could run all 200 while the other
+    # still started (seen in CI), and no moment would have jobs running mid-run.
+    ids = client.submit_many(prompts, {**SHORT, "max_tokens": 24}, priority="bulk")
 
-    def mid_run() -> bool:
+    def mid_run() -> str | None:
+        """A worker with jobs running once 40 are done: the one to kill."""
         st = client.store.statuses(ids)
-        return sum(s == JobStatus.SUCCEEDED for s in st) >= 40 and any(
-            s == JobStatus.RUNNING and client.get(j).worker == "a"  # type: ignore[union-attr]
-            for j, s in zip(ids, st, strict=True)
-        )
+        if sum(s == JobStatus.SUCCEEDED for s in st) < 40:
+            return None
+        running = (client.get(j) for j, s in zip(ids, st, strict=True) if s == JobStatus.RUNNING)
+        return next((r.worker for r in running if r is not None and r.worker in workers), None)
 
     try:
-        wait_for(mid_run, timeout=120, what="40 jobs done and some running on a")
-    except AssertionError as e:  # seen once in a full run (2 cores, loaded): say what happened
+        victim = wait_for(mid_run, timeout=120, what="40 jobs done and some running")
+    except AssertionError as e:  # say what happened
         st = Counter(str(s) for s in client.store.statuses(ids))
         on = Counter(client.get(j).worker for j in ids)  # type: ignore[union-attr]
-        raise AssertionError(f"{e}\nstatuses: {dict(st)}\njobs by worker: {dict(on)}\n"
-                             f"a:\n{a.log()}\nb:\n{b.log()}") from e  # fmt: skip
-    a.kill()
+        logs = "".join(f"{k}:\n{w.log()}\n" for k, w in workers.items())
+        raise AssertionError(f"{e}\nstatuses: {dict(st)}\nby worker: {dict(on)}\n{logs}") from e
+    survivor = next(k for k in workers if k != victim)
+    workers[victim].kill()
     recs = client.wait_many(ids, timeout=240)
     assert [r.status for r in recs] == [JobStatus.SUCCEEDED] * 200
     for r in recs:
@@ -367,11 +371,11 @@ def test_kill9_with_admission_every_job_exactly_once(
         assert len(ends) == 1
     assert not client.store.dead_letters()
     assert client.r.xpending(client.keys.stream("bulk"), "workers")["pending"] == 0
-    assert "a" not in client.store.affinities().values()  # a's affinities lapsed
+    assert victim not in client.store.affinities().values()  # the killed one's affinities lapsed
     # The survivor found its prefixes cached: visible in its heartbeat.
-    hb = WorkerHeartbeat.parse_published(client.store.workers()["b"])
+    hb = WorkerHeartbeat.parse_published(client.store.workers()[survivor])
     assert hb is not None and any(g.hits > 0 for g in hb.prefixes)
-    b.terminate()
+    workers[survivor].terminate()
 
 
 def test_pool_and_metrics_show_cached_prefixes(
