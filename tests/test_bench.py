@@ -240,6 +240,23 @@ def test_gemm_libs_times_every_library_on_checked_products(
     assert all(v > 0 for v in rec["models"]["bench"]["cold_pass"]["8"].values())
 
 
+def test_inductor_mlp_compares_three_ways_on_the_same_values(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``bench.inductor_mlp``: ours, eager torch and torch.compile on one small layer, all three
+    timed and agreeing with eager torch to float32 rounding."""
+    from bench import inductor_mlp
+
+    inductor_mlp.main(["--models", "bench", "--rows", "4", "--layers", "1", "--repeats", "1",
+                       "--threads", "1"])  # fmt: skip
+    rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    (got,) = rec["results"]
+    assert got["rows"] == 4 and got["layers"] == 1
+    assert set(got["ms"]) == {"ours", "eager", "inductor"} and min(got["ms"].values()) > 0
+    assert set(got["max_abs_diff"]) == {"ours", "inductor"}
+    assert max(got["max_abs_diff"].values()) < 1e-4
+
+
 def test_kernels_decode_runs_at_other_head_shapes() -> None:
     """``bench.kernels --shapes``: the decode row at a GQA 3 shape (SmolLM2's), with its
     bandwidth figures; malformed shapes are refused."""
