@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -247,6 +248,8 @@ def test_inductor_mlp_compares_three_ways_on_the_same_values(
     timed and agreeing with eager torch to float32 rounding."""
     from bench import inductor_mlp
 
+    if shutil.which("g++") is None and shutil.which("c++") is None:
+        pytest.skip("inductor compiles C++: no g++ / c++ here")
     inductor_mlp.main(["--models", "bench", "--rows", "4", "--layers", "1", "--repeats", "1",
                        "--threads", "1"])  # fmt: skip
     rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
