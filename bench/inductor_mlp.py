@@ -7,7 +7,8 @@ Why this half: it is all a compiler could take whole. In our eager path each of 
 one C call (:mod:`kernels.fused`, :mod:`kernels.gemm`) with one Python dispatch per op; the
 attention half calls the paged C kernels through ctypes, which a graph cannot contain (it would
 break there), so compiling it would leave the same calls. Three ways, same inputs, alternating:
-``ours`` (the engine's: packed C GEMM, fused add + RMSNorm and SiLU x up), ``eager`` (the same
+``ours`` (the engine's modules, weights packed as the model packs them: the C GEMM where it
+builds, fused add + RMSNorm and SiLU x up), ``eager`` (the same
 block in plain torch: ``F.linear`` on MKL, ``F.rms_norm``, ``F.silu``) and ``inductor``
 (``torch.compile`` of that plain block, ``fullgraph``, ``dynamic=False``: one graph per row
 count, the fixed buckets an engine would compile; ``freezing`` on, so that the weights are
@@ -30,7 +31,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from bench.common import emit
-from kernels import fused, gemm
+from kernels import fused
+from worker.models.config import ModelConfig
+from worker.models.layers import GatedMLP, RMSNorm, swap_for_packed
 
 #: hidden size, intermediate size, layers
 MODELS: dict[str, tuple[int, int, int]] = {"bench": (512, 1536, 8), "smollm2": (576, 1536, 30)}
@@ -70,20 +73,32 @@ class MLPStack(nn.Module):
 
 
 def ours_fn(stack: MLPStack) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The engine's way: packed weights for the C GEMM, the fused C ops (add + RMSNorm in place
-    on its own residual copy, SiLU x up)."""
-    ops, lib = fused.load(), gemm.load()
-    if ops is None or lib is None:
-        raise SystemExit("the C kernels did not build: nothing to compare (a C compiler?)")
-    packed = [
-        (b.norm_w.data, lib.pack(b.gate_up.data), lib.pack(b.down.data)) for b in stack.blocks
-    ]
+    """The engine's own modules on the same weights: :class:`RMSNorm` (``add_norm``) and
+    :class:`GatedMLP`, their projections packed as the model packs them, the fused C ops on."""
+    ops = fused.load()
+    if ops is None:
+        raise SystemExit("the fused C ops did not build: nothing to compare (a C compiler?)")
+    hidden, inter = stack.blocks[0].down.shape
+    cfg = ModelConfig(
+        family="llama", architecture="inductor_mlp", num_layers=len(stack.blocks), num_heads=1,
+        num_kv_heads=1, head_dim=hidden, hidden_size=hidden, intermediate_size=inter,
+        vocab_size=1, max_position_embeddings=1, rms_norm_eps=EPS, dtype=torch.float32,
+    )  # fmt: skip
+    layers: list[tuple[RMSNorm, GatedMLP]] = []
+    for b in stack.blocks:
+        norm, mlp = RMSNorm(hidden, EPS, torch.float32, "cpu"), GatedMLP(cfg, "cpu")
+        norm.weight.data.copy_(b.norm_w)
+        mlp.gate_up_weight.data.copy_(b.gate_up)
+        mlp.down_weight.data.copy_(b.down)
+        swap_for_packed(mlp, "gate_up_weight")
+        swap_for_packed(mlp, "down_weight")
+        layers.append((norm, mlp))
 
     def run(r: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        r = r.clone()  # add_rms_norm adds in place
-        for norm_w, gate_up, down in packed:
-            h = ops.add_rms_norm(r, delta, norm_w, EPS)
-            delta = down.matmul(ops.silu_mul(gate_up.matmul(h), gate_up.out_features // 2))
+        r = r.clone()  # add_norm adds in place into a residual it owns
+        for norm, mlp in layers:
+            r, h = norm.add_norm(r, delta, ops)
+            delta = mlp(h, ops)
         return delta
 
     return run
