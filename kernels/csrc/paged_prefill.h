@@ -81,24 +81,103 @@ typedef struct {
 #define PS_PF_NG 6 /* at most this many query vectors per value pass */
 #define PS_PF_SPAN 64 /* query tokens per task (a task transposes its keys once) */
 #define PS_PF_KB 64   /* keys per online-softmax update */
+#if PS_WIDE_LANES == 16 && defined(__AVX512F__)
+#include <immintrin.h>
+/* dst[d * 16 + l] = src[l][d] for d < 16: a 16 x 16 transpose in registers (four rounds of
+ * shuffles, 64 in all) instead of 256 scalar loads and stores */
+static inline void ps_pf_tr16(const float *const *src, int64_t d0, float *dst) {
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src[i] + d0);
+    for (int k = 0; k < 8; ++k) {
+        t[2 * k] = _mm512_unpacklo_ps(r[2 * k], r[2 * k + 1]);
+        t[2 * k + 1] = _mm512_unpackhi_ps(r[2 * k], r[2 * k + 1]);
+    }
+    for (int k = 0; k < 4; ++k) {
+        const __m512d a0 = _mm512_castps_pd(t[4 * k]), a1 = _mm512_castps_pd(t[4 * k + 1]);
+        const __m512d a2 = _mm512_castps_pd(t[4 * k + 2]), a3 = _mm512_castps_pd(t[4 * k + 3]);
+        r[4 * k] = _mm512_castpd_ps(_mm512_unpacklo_pd(a0, a2));
+        r[4 * k + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a0, a2));
+        r[4 * k + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(a1, a3));
+        r[4 * k + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(a1, a3));
+    }
+    /* r[4k + m], 128-bit lane L: rows 4k .. 4k+3 of column 4L + m */
+    for (int p = 0; p < 2; ++p)
+        for (int m = 0; m < 4; ++m) {
+            t[8 * p + m] = _mm512_shuffle_f32x4(r[8 * p + m], r[8 * p + 4 + m], 0x88);
+            t[8 * p + 4 + m] = _mm512_shuffle_f32x4(r[8 * p + m], r[8 * p + 4 + m], 0xdd);
+        }
+    for (int m = 0; m < 4; ++m) {
+        _mm512_storeu_ps(dst + m * 16, _mm512_shuffle_f32x4(t[m], t[8 + m], 0x88));
+        _mm512_storeu_ps(dst + (8 + m) * 16, _mm512_shuffle_f32x4(t[m], t[8 + m], 0xdd));
+        _mm512_storeu_ps(dst + (4 + m) * 16, _mm512_shuffle_f32x4(t[4 + m], t[12 + m], 0x88));
+        _mm512_storeu_ps(dst + (12 + m) * 16, _mm512_shuffle_f32x4(t[4 + m], t[12 + m], 0xdd));
+    }
+}
+#define PS_PF_TR_VEC 16
+#elif PS_WIDE_LANES == 8 && defined(__AVX__)
+#include <immintrin.h>
+/* the same for 8 keys x 8 dimensions (AVX2 builds): 24 shuffles for 64 values */
+static inline void ps_pf_tr8(const float *const *src, int64_t d0, float *dst) {
+    __m256 r[8], t[8];
+    for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src[i] + d0);
+    for (int k = 0; k < 4; ++k) {
+        t[2 * k] = _mm256_unpacklo_ps(r[2 * k], r[2 * k + 1]);
+        t[2 * k + 1] = _mm256_unpackhi_ps(r[2 * k], r[2 * k + 1]);
+    }
+    for (int k = 0; k < 2; ++k) { /* r[4k + m], 128-bit lane L: rows 4k .. 4k+3, column 4L + m */
+        r[4 * k] = _mm256_shuffle_ps(t[4 * k], t[4 * k + 2], 0x44);
+        r[4 * k + 1] = _mm256_shuffle_ps(t[4 * k], t[4 * k + 2], 0xee);
+        r[4 * k + 2] = _mm256_shuffle_ps(t[4 * k + 1], t[4 * k + 3], 0x44);
+        r[4 * k + 3] = _mm256_shuffle_ps(t[4 * k + 1], t[4 * k + 3], 0xee);
+    }
+    for (int m = 0; m < 4; ++m) {
+        _mm256_storeu_ps(dst + m * 8, _mm256_permute2f128_ps(r[m], r[4 + m], 0x20));
+        _mm256_storeu_ps(dst + (4 + m) * 8, _mm256_permute2f128_ps(r[m], r[4 + m], 0x31));
+    }
+}
+#define PS_PF_TR_VEC 8
+#else
+#define PS_PF_TR_VEC 0
+#endif
+
 /* Keys [k_lo, kmax) of KV head g into kt (k_lo a multiple of PS_KT): tile j holds keys
- * k_lo + j*KT .. k_lo + j*KT+KT-1 as [D][KT] (zeros past kmax: those are masked anyway). */
+ * k_lo + j*KT .. k_lo + j*KT+KT-1 as [D][KT] (zeros past kmax: those are masked anyway).
+ * The blocks are walked (no division per key); a whole tile of keys is transposed in
+ * registers (16 x 16 on AVX-512, 8 x 8 on AVX2). */
 static inline void ps_pf_transpose_keys(const ps_prefill_args *a, const int32_t *table,
                                         int64_t g, int64_t k_lo, int64_t kmax, const int64_t D,
                                         float *kt) {
     const int64_t BS = a->block_size, token_stride = a->num_kv_heads * D;
     const int64_t tiles = (kmax - k_lo + PS_KT - 1) / PS_KT;
+    int64_t blk = k_lo / BS, off = k_lo % BS;
     for (int64_t j = 0; j < tiles; ++j) {
         float *dst = kt + j * D * PS_KT;
-        for (int64_t l = 0; l < PS_KT; ++l) {
-            const int64_t p = k_lo + j * PS_KT + l;
-            if (p >= kmax) {
+        const float *src[PS_KT];
+        int n = 0;
+        for (; n < PS_KT && k_lo + j * PS_KT + n < kmax; ++n) {
+            src[n] = a->k_cache + ((int64_t)table[blk] * BS + off) * token_stride + g * D;
+            if (++off == BS) {
+                off = 0;
+                ++blk;
+            }
+        }
+#if PS_PF_TR_VEC == 16
+        if (n == PS_KT) {
+            for (int64_t d0 = 0; d0 < D; d0 += 16) ps_pf_tr16(src, d0, dst + d0 * PS_KT);
+            continue;
+        }
+#elif PS_PF_TR_VEC == 8
+        if (n == PS_KT) {
+            for (int64_t d0 = 0; d0 < D; d0 += 8) ps_pf_tr8(src, d0, dst + d0 * PS_KT);
+            continue;
+        }
+#endif
+        for (int l = 0; l < PS_KT; ++l) {
+            if (l >= n) {
                 for (int64_t d = 0; d < D; ++d) dst[d * PS_KT + l] = 0.0f;
                 continue;
             }
-            const float *src = a->k_cache + ((int64_t)table[p / BS] * BS + p % BS) * token_stride +
-                               g * D;
-            for (int64_t d = 0; d < D; ++d) dst[d * PS_KT + l] = src[d];
+            for (int64_t d = 0; d < D; ++d) dst[d * PS_KT + l] = src[l][d];
         }
     }
 }
@@ -289,10 +368,19 @@ static inline __attribute__((always_inline)) void ps_pf_tile_keys(
                     ps_wstore(&o[i][dd * PS_WIDE_LANES],
                               ps_wload(&o[i][dd * PS_WIDE_LANES]) * ps_wsplat(alpha));
         }
-        for (int64_t lk = 0; lk < nkeys; ++lk) {
-            const int64_t pk = k0 + lk;
-            vrows[lk] = a->v_cache + ((int64_t)table[pk / BS] * BS + pk % BS) * token_stride +
-                        g * D;
+        {
+            /* walk the blocks: no division per key */
+            int64_t blk = k0 / BS, off = k0 % BS;
+            const float *base = a->v_cache + ((int64_t)table[blk] * BS) * token_stride + g * D;
+            for (int64_t lk = 0; lk < nkeys; ++lk) {
+                vrows[lk] = base + off * token_stride;
+                if (++off == BS) {
+                    off = 0;
+                    ++blk;
+                    if (lk + 1 < nkeys)
+                        base = a->v_cache + ((int64_t)table[blk] * BS) * token_stride + g * D;
+                }
+            }
         }
         /* value passes: query vectors x d-vectors of accumulators in registers; a head whose
          * whole width fits for at least 3 query vectors goes in one pass per group (up to
