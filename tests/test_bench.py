@@ -289,3 +289,21 @@ def test_kernels_decode_runs_at_other_head_shapes() -> None:
     )
     with pytest.raises(argparse.ArgumentTypeError):
         HeadShape.parse("9/4/64")
+
+
+def test_prefill_ab_times_three_builds_and_checks_their_outputs(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``bench.prefill_ab`` against this very tree: every case timed for the three builds
+    (ours, base, a control build of base), and all three give bit-identical outputs (the
+    kernel's sums do not depend on the build's code placement)."""
+    from bench import prefill_ab
+
+    repo = Path(prefill_ab.__file__).resolve().parents[1]
+    prefill_ab.main(["--base", str(repo), "--rounds", "1", "--layers", "1", "--threads", "1"])
+    rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["case"].split()[0] for r in rec["results"]] == ["causal"] * 4 + ["shared"] * 2
+    for got in rec["results"]:
+        assert set(got["ms"]) == {"ours", "base", "control"} and min(got["ms"].values()) > 0
+        assert min(got["gflops"].values()) > 0 and got["ours/base"] > 0
+        assert got["bit_identical"] == {"ours": True, "control": True}
