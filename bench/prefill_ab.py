@@ -31,6 +31,7 @@ import torch
 from bench.common import emit
 from kernels import native
 from kernels.native import NativeDecode, PrefillChunks
+from kernels.testing import make_metadata
 
 BLOCK_SIZE = 16
 
@@ -48,17 +49,13 @@ class Case:
     query_rows: torch.Tensor | None = None  # shared mode only
 
 
-def _tables(lengths: list[int], gen: torch.Generator) -> tuple[torch.Tensor, int]:
+def _tables(
+    query_lens: list[int], seq_lens: list[int], gen: torch.Generator
+) -> tuple[torch.Tensor, int]:
     """Block tables over shuffled block ids (the pool's order after a while), and the pool size."""
-    per = [-(-n // BLOCK_SIZE) for n in lengths]
-    num_blocks = sum(per) + 4
-    ids = torch.randperm(num_blocks, generator=gen).to(torch.int32)
-    table = torch.zeros(len(lengths), max(per), dtype=torch.int32)
-    used = 0
-    for i, n in enumerate(per):
-        table[i, :n] = ids[used : used + n]
-        used += n
-    return table, num_blocks
+    num_blocks = sum(-(-n // BLOCK_SIZE) for n in seq_lens) + 4
+    meta = make_metadata(query_lens, seq_lens, BLOCK_SIZE, num_blocks, gen)
+    return meta.block_tables, num_blocks
 
 
 def _caches(
@@ -76,7 +73,7 @@ def causal_case(
     num_heads, kv_heads, head_dim = heads
     gen = torch.Generator().manual_seed(0)
     seq = [q + c for q, c in zip(q_lens, ctx, strict=True)]
-    table, num_blocks = _tables(seq, gen)
+    table, num_blocks = _tables(q_lens, seq, gen)
     starts = [0]
     for n in q_lens[:-1]:
         starts.append(starts[-1] + n)
@@ -98,7 +95,7 @@ def shared_case(
     """``rows`` decode rows (every other row of the batch) over one ``prefix``-token prefix."""
     num_heads, kv_heads, head_dim = heads
     gen = torch.Generator().manual_seed(1)
-    table, num_blocks = _tables([prefix], gen)
+    table, num_blocks = _tables([rows], [prefix], gen)
     chunks = PrefillChunks(
         starts=torch.tensor([0]), query_lens=torch.tensor([rows]),
         seq_lens=torch.tensor([prefix]), seq_index=torch.tensor([0]),

@@ -140,27 +140,35 @@ static inline void ps_pf_tr8(const float *const *src, int64_t d0, float *dst) {
 #define PS_PF_TR_VEC 0
 #endif
 
+/* rows[i] = KV head g's row of key p0 + i in cache (i < n): the blocks are walked, one
+ * division per call instead of one per key */
+static inline void ps_pf_rows(const float *cache, const ps_prefill_args *a,
+                              const int32_t *table, int64_t g, const int64_t D, int64_t p0,
+                              int64_t n, const float **rows) {
+    const int64_t BS = a->block_size, token_stride = a->num_kv_heads * D;
+    int64_t blk = p0 / BS, off = p0 % BS;
+    for (int64_t i = 0; i < n; ++i) {
+        rows[i] = cache + ((int64_t)table[blk] * BS + off) * token_stride + g * D;
+        if (++off == BS) {
+            off = 0;
+            ++blk;
+        }
+    }
+}
+
 /* Keys [k_lo, kmax) of KV head g into kt (k_lo a multiple of PS_KT): tile j holds keys
  * k_lo + j*KT .. k_lo + j*KT+KT-1 as [D][KT] (zeros past kmax: those are masked anyway).
- * The blocks are walked (no division per key); a whole tile of keys is transposed in
- * registers (16 x 16 on AVX-512, 8 x 8 on AVX2). */
+ * A whole tile of keys is transposed in registers (16 x 16 on AVX-512, 8 x 8 on AVX2). */
 static inline void ps_pf_transpose_keys(const ps_prefill_args *a, const int32_t *table,
                                         int64_t g, int64_t k_lo, int64_t kmax, const int64_t D,
                                         float *kt) {
-    const int64_t BS = a->block_size, token_stride = a->num_kv_heads * D;
     const int64_t tiles = (kmax - k_lo + PS_KT - 1) / PS_KT;
-    int64_t blk = k_lo / BS, off = k_lo % BS;
     for (int64_t j = 0; j < tiles; ++j) {
         float *dst = kt + j * D * PS_KT;
         const float *src[PS_KT];
-        int n = 0;
-        for (; n < PS_KT && k_lo + j * PS_KT + n < kmax; ++n) {
-            src[n] = a->k_cache + ((int64_t)table[blk] * BS + off) * token_stride + g * D;
-            if (++off == BS) {
-                off = 0;
-                ++blk;
-            }
-        }
+        const int64_t p0 = k_lo + j * PS_KT;
+        const int n = kmax - p0 < PS_KT ? (int)(kmax - p0) : PS_KT;
+        ps_pf_rows(a->k_cache, a, table, g, D, p0, n, src);
 #if PS_PF_TR_VEC == 16
         if (n == PS_KT) {
             for (int64_t d0 = 0; d0 < D; d0 += 16) ps_pf_tr16(src, d0, dst + d0 * PS_KT);
@@ -294,7 +302,6 @@ static inline __attribute__((always_inline)) void ps_pf_tile_init(
 static inline __attribute__((always_inline)) void ps_pf_tile_keys(
     const ps_prefill_args *a, const int32_t *table, int64_t g, int nv, const float *kt,
     int64_t k_lo, int64_t k_hi, const int64_t D, ps_pf_state *st, ps_pf_ahead *ahead) {
-    const int64_t BS = a->block_size, token_stride = a->num_kv_heads * D;
     const int64_t DV = D / PS_WIDE_LANES;
     float(*q)[PS_MAX_HEAD_DIM] = st->q;
     float(*o)[PS_MAX_HEAD_DIM] = st->o;
@@ -368,20 +375,7 @@ static inline __attribute__((always_inline)) void ps_pf_tile_keys(
                     ps_wstore(&o[i][dd * PS_WIDE_LANES],
                               ps_wload(&o[i][dd * PS_WIDE_LANES]) * ps_wsplat(alpha));
         }
-        {
-            /* walk the blocks: no division per key */
-            int64_t blk = k0 / BS, off = k0 % BS;
-            const float *base = a->v_cache + ((int64_t)table[blk] * BS) * token_stride + g * D;
-            for (int64_t lk = 0; lk < nkeys; ++lk) {
-                vrows[lk] = base + off * token_stride;
-                if (++off == BS) {
-                    off = 0;
-                    ++blk;
-                    if (lk + 1 < nkeys)
-                        base = a->v_cache + ((int64_t)table[blk] * BS) * token_stride + g * D;
-                }
-            }
-        }
+        ps_pf_rows(a->v_cache, a, table, g, D, k0, nkeys, vrows);
         /* value passes: query vectors x d-vectors of accumulators in registers; a head whose
          * whole width fits for at least 3 query vectors goes in one pass per group (up to
          * PS_PF_NG vectors), a wider one (head_dim 64 on AVX2) in tiles of 3 vectors x
