@@ -73,6 +73,10 @@ def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 def _draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
     # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p, one op, seedable.
+    if gen is not None and gen.device != probs.device:
+        # A seed's generator is a CPU one (request_state): on a GPU the draw moves to the CPU,
+        # so that one seed gives one noise stream on every device.
+        probs = probs.cpu()
     noise = torch.empty_like(probs).exponential_(generator=gen)
     return int(torch.argmax(probs / noise))
 
