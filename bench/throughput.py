@@ -189,7 +189,9 @@ def ensure_model(model: str | None, workdir: Path) -> Path:
 
         return resolve_model(model)
     out = workdir / "bench-model"
-    cmd = [sys.executable, "-m", "stack", "make-model", "--family", "llama"]
+    # the module, not ``pagedserve make-model``: the CLI imports the service side (redis), which
+    # a GPU host that only runs this benchmark may lack
+    cmd = [sys.executable, "-m", "worker.make_model", "--family", "llama"]
     subprocess.run([*cmd, "--preset", "bench", "--out", str(out)], check=True, cwd=REPO,
                    stdout=subprocess.DEVNULL)  # fmt: skip
     return out
@@ -202,7 +204,8 @@ def child_env(threads: int, repo: Path = REPO) -> dict[str, str]:
         OMP_NUM_THREADS=str(threads),
         MKL_NUM_THREADS=str(threads),
         TOKENIZERS_PARALLELISM="false",
-        PYTHONPATH=str(repo),
+        # the checkout first; an inherited path (e.g. packages carried to a GPU host) after it
+        PYTHONPATH=os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])),
         TRANSFORMERS_VERBOSITY="error",
     )
     return env
@@ -291,7 +294,7 @@ def run_system(
 
 def add_mfu(result: dict[str, Any], wl: Workload, ctx: dict[str, Any]) -> dict[str, Any]:
     wall = result.get("wall_s")
-    if not wall:
+    if not wall or not ctx.get("peak_gflops"):  # no CPU peak is the denominator on a GPU
         return result
     # Prompt tokens served from the prefix cache are not computed: they do not count as work.
     computed = wl.prompt_tokens - int(result.get("prefix_hit_tokens") or 0) + wl.output_tokens
@@ -326,9 +329,11 @@ def throughput_workload(wl: Workload, systems: list[str], ctx: dict[str, Any]) -
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
     for rep in range(repeats):
         for system in systems:
-            opts: dict[str, Any] = {}
+            opts: dict[str, Any] = dict(ctx.get("placement", {}))
             if system == "hf-static":
-                opts["batch_sizes"] = list(ctx["preset"].static_batch_sizes)
+                opts["batch_sizes"] = ctx.get("batch_sizes") or list(
+                    ctx["preset"].static_batch_sizes
+                )
             tag = f"{wl.name}-{system}" + (f"-{rep + 1}" if repeats > 1 else "")
             runs[system].append(run_system(system, wl, ctx, opts, tag))
     res = {s: median_result(r) for s, r in runs.items()}
@@ -357,7 +362,8 @@ def prefix_workload(wl: Workload, systems: list[str], ctx: dict[str, Any]) -> di
     cache: left out here."""
     body = throughput_workload(wl, [s for s in systems if s in PREFIX_CACHING], ctx)
     on = body["systems"]["ours"]
-    off = run_system("ours", wl, ctx, {"enable_prefix_caching": False}, f"{wl.name}-ours-off")
+    opts = {**ctx.get("placement", {}), "enable_prefix_caching": False}
+    off = run_system("ours", wl, ctx, opts, f"{wl.name}-ours-off")
     body["systems"]["ours-prefix-off"] = off
     body["ratios"]["prefix_on/off"] = ratio(on, off)
     body["prefix_hit_rate"] = on.get("prefix_hit_rate")
@@ -400,6 +406,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="comma list of ours,base,hf-static,hf-cb,vllm (default: all that are set up)",
     )  # fmt: skip
     ap.add_argument("--base", help="checkout whose engine runs as system 'base' (A/B)")
+    ap.add_argument(
+        "--device", default="cpu",
+        help="cpu | cuda[:n]: where ours, base and the transformers peers run (vLLM-CPU: cpu only)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+        help="weights and KV cache of ours, base and the transformers peers",
+    )  # fmt: skip
+    ap.add_argument(
+        "--batch-sizes", type=lambda v: [int(x) for x in v.split(",")],
+        help="hf-static's batch sizes, comma list (default: the preset's; a GPU wants larger)",
+    )  # fmt: skip
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument(
         "--repeats", type=int, default=1, help="alternating rounds of every system: medians"
@@ -417,8 +435,10 @@ def pick_systems(args: argparse.Namespace) -> list[str]:
         if unknown:
             raise SystemExit(f"unknown systems: {unknown}; choose from {ALL_SYSTEMS}")
     else:
-        optional = {"vllm": args.vllm_python, "base": args.base}
+        optional = {"vllm": args.vllm_python and args.device == "cpu", "base": args.base}
         systems = [s for s in ALL_SYSTEMS if optional.get(s, True)]
+    if "vllm" in systems and args.device != "cpu":
+        raise SystemExit("--systems vllm runs vLLM-CPU: it has no --device other than cpu")
     if "vllm" in systems and not args.vllm_python:
         raise SystemExit("--systems vllm needs --vllm-python PATH (see bench/README.md)")
     if "base" in systems and not (args.base and (Path(args.base) / "bench").is_dir()):
@@ -453,9 +473,14 @@ def main(argv: list[str] | None = None) -> None:
             "base": args.base,
             "vllm_preload": vllm_preload(args.vllm_malloc) if "vllm" in systems else None,
             "repeats": max(1, args.repeats),
+            "placement": {"device": args.device, "dtype": args.dtype},
+            "batch_sizes": args.batch_sizes,
         }  # fmt: skip
-        peak = measure_peak(ctx)
-        ctx["peak_gflops"] = peak.get("peak_gflops") or PEERS_REFERENCE["peak_gflops"]
+        peak: dict[str, Any] = {}
+        ctx["peak_gflops"] = None
+        if args.device == "cpu":  # MFU against the CPU's matmul peak; none on a GPU
+            peak = measure_peak(ctx)
+            ctx["peak_gflops"] = peak.get("peak_gflops") or PEERS_REFERENCE["peak_gflops"]
         results: dict[str, Any] = {}
         for name in pick_workloads(args):
             wl = make_workload(name, preset, vocab, args.seed)
@@ -469,6 +494,8 @@ def main(argv: list[str] | None = None) -> None:
         {
             "preset": args.preset,
             "threads": args.threads,
+            "device": args.device,
+            "dtype": args.dtype,
             "model": str(spec or "bench preset (built)"),
             "non_embedding_params": params,
             "matmul_gflops": peak.get("gflops"),

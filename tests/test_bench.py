@@ -148,6 +148,19 @@ def test_system_choice_is_checked() -> None:
     assert "vllm" not in pick_systems(parse_args([]))
 
 
+def test_a_gpu_run_leaves_vllm_cpu_out() -> None:
+    """``--device cuda``: vLLM-CPU is refused when named and left out of the default set; the
+    placement and hf-static's batch sizes parse."""
+    with pytest.raises(SystemExit, match="vLLM-CPU"):
+        pick_systems(
+            parse_args(["--device", "cuda", "--systems", "ours,vllm", "--vllm-python", "x"])
+        )
+    args = parse_args(["--device", "cuda", "--vllm-python", "x", "--dtype", "bfloat16",
+                       "--batch-sizes", "64,256"])  # fmt: skip
+    assert "vllm" not in pick_systems(args)
+    assert (args.device, args.dtype, args.batch_sizes) == ("cuda", "bfloat16", [64, 256])
+
+
 def test_vllm_gets_both_cores_and_the_allocator_asked_for(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -65,7 +65,7 @@ def drain(
 
 def run(job: Job) -> dict[str, Any]:
     set_threads(job.threads)
-    model = load_model(job.model)
+    model = load_model(job.model, job.options)
     manager = model.init_continuous_batching(
         generation_config=gen_config(model), continuous_batching_config=cb_config(job)
     )

@@ -15,13 +15,25 @@ from typing import Any
 from bench.peers.job import Job, base_result, main_args, set_threads, write_result
 
 
-def load_model(path: str) -> Any:
+def load_model(path: str, options: dict[str, Any] | None = None) -> Any:
+    """The checkpoint on ``options["device"]`` (default cpu) in ``options["dtype"]`` (float32)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    opts = options or {}
+    dtype = getattr(torch, opts.get("dtype", "float32"))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model.to(opts.get("device", "cpu"))
     model.eval()
     return model
+
+
+def synchronize(model: Any) -> None:
+    """Wait for a GPU's queued work, so that a timer read next covers it."""
+    import torch
+
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[Any, Any]:
@@ -41,6 +53,7 @@ def run_batch(model: Any, prompts: list[list[int]], outs: list[int], pad_id: int
     import torch
 
     ids, mask = left_pad(prompts, pad_id)
+    ids, mask = ids.to(model.device), mask.to(model.device)
     n = max(outs)
     with torch.inference_mode():
         gen = model.generate(
@@ -66,12 +79,13 @@ def run_workload(model: Any, job: Job, batch_size: int, pad_id: int) -> tuple[fl
         outs = job.max_tokens[lo : lo + batch_size]
         n = run_batch(model, prompts, outs, pad_id)
         computed += len(prompts) * (max(len(p) for p in prompts) + n)
+    synchronize(model)
     return time.perf_counter() - t0, computed
 
 
 def run(job: Job) -> dict[str, Any]:
     set_threads(job.threads)
-    model = load_model(job.model)
+    model = load_model(job.model, job.options)
     pad_id = model.generation_config.pad_token_id
     if pad_id is None:
         pad_id = 0

@@ -71,7 +71,8 @@ def build_llm(job: Job) -> Any:
     opts = job.options
     return LLM(
         job.model,
-        dtype="float32",
+        dtype=opts.get("dtype", "float32"),
+        device=opts.get("device", "cpu"),
         max_model_len=opts.get("max_model_len", 2048),
         kv_cache_memory=int(opts.get("kv_cache_gib", 2) * GIB),
         max_num_seqs=opts.get("max_num_seqs", 256),
