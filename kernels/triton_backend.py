@@ -116,8 +116,8 @@ class TritonBackend:
             default = (64, 64)
         return self._block_m or default[0], self._block_n or default[1]
 
-    def _get_plan(self, meta: AttentionMetadata, num_heads: int, block_m: int) -> _TritonPlan:
-        key = (num_heads, block_m)
+    def _get_plan(self, meta: AttentionMetadata, num_kv_heads: int, block_m: int) -> _TritonPlan:
+        key = (num_kv_heads, block_m)
         if meta is self._plan_meta and key == self._plan_key:
             return self._plan
         device = meta.seq_lens.device
@@ -143,7 +143,7 @@ class TritonBackend:
         if rows:
             plan.decode_rows = torch.tensor(rows, dtype=torch.int32, device=device)
             plan.decode_seqs = torch.tensor(seqs, dtype=torch.int32, device=device)
-            plan.num_splits = _num_splits(max_decode_ctx, len(rows) * num_heads)
+            plan.num_splits = _num_splits(max_decode_ctx, len(rows) * num_kv_heads)
         if tile_seqs:
             plan.tile_seqs = torch.tensor(tile_seqs, dtype=torch.int32, device=device)
             plan.tile_q0 = torch.tensor(tile_q0, dtype=torch.int32, device=device)
@@ -167,9 +167,9 @@ class TritonBackend:
         if query.shape[0] == 0:
             return out
         assert query.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
-        num_heads, head_dim = query.shape[1], query.shape[2]
+        head_dim = query.shape[2]
         block_m, block_n = self._tile_sizes(head_dim)
-        plan = self._get_plan(meta, num_heads, block_m)
+        plan = self._get_plan(meta, k_cache.shape[2], block_m)
         if plan.decode_rows is not None:
             self._decode(query, k_cache, v_cache, meta, plan, out, scale, sliding_window)
         if plan.tile_seqs is not None:
@@ -197,8 +197,11 @@ class TritonBackend:
         splits = plan.num_splits
         parts = n * num_heads * splits
         part_m, part_l, part_acc = _decode_scratch(plan, parts, d_pad, query.device)
-        block_n = max(16, block_size) if INTERPRET else max(32, block_size)
-        decode_split_kernel[(n, num_heads, splits)](
+        block_n = (
+            max(16, block_size) if INTERPRET else max(64 if head_dim <= 128 else 32, block_size)
+        )
+        group = num_heads // num_kv_heads
+        decode_split_kernel[(n, num_kv_heads, splits)](
             query,
             k_cache,
             v_cache,
@@ -217,13 +220,16 @@ class TritonBackend:
             k_cache.stride(1),
             k_cache.stride(2),
             meta.block_tables.stride(0),
-            GROUP=num_heads // num_kv_heads,
+            NUM_HEADS=num_heads,
+            GROUP=group,
+            G_PAD=max(16, _next_pow2(group)),  # tl.dot's smallest M
             HEAD_DIM=head_dim,
             D_PAD=d_pad,
             BLOCK_SIZE=block_size,
             BLOCK_N=block_n,
             NUM_SPLITS=splits,
             USE_WINDOW=sliding_window is not None,
+            DOT_FP32=INTERPRET or query.dtype == torch.float32,
             WHILE_LOOPS=INTERPRET,
         )
         decode_reduce_kernel[(n, num_heads)](

@@ -3,10 +3,11 @@
 Three kernels:
 
 * ``write_kv_kernel``: one program per new token copies its K and V rows to its slot;
-* decode (``query_len == 1``): flash-decoding. Each (token, query head, split) program walks
-  its share of the context through the block table with an online softmax and writes a partial
-  (max, sum, unnormalised output); ``decode_reduce_kernel`` merges the splits. Splitting keeps
-  the GPU busy when a few sequences have long contexts;
+* decode (``query_len == 1``): flash-decoding. Each (token, KV head, split) program walks its
+  share of the context through the block table with an online softmax for all the query heads of
+  that KV head at once (one ``tl.dot``, so each K/V row is read once per token, not once per query
+  head) and writes partials (max, sum, unnormalised output); ``decode_reduce_kernel`` merges the
+  splits. Splitting keeps the GPU busy when a few sequences have long contexts;
 * prefill (``query_len > 1``): one program per (tile of ``BLOCK_M`` query tokens of one sequence,
   query head) walks the cached context before the chunk and the chunk itself (causal), with
   ``tl.dot`` on ``BLOCK_M x BLOCK_N`` tiles. KV tiles are gathered token by token through the block
@@ -68,27 +69,36 @@ def write_kv_kernel(
 
 @triton.jit
 def _decode_tile(
-    n0, end, q, m_run, l_run, acc, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head,
-    stride_cb, stride_cs, stride_ch, stride_bt, d, d_mask,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    n0, end, q, m_run, l_run, acc, scale, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq,
+    kv_head, stride_cb, stride_cs, stride_ch, stride_bt, d, d_mask,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
 ):  # fmt: skip
-    """One tile of ``BLOCK_N`` context tokens for a single-token query (online softmax)."""
+    """One tile of ``BLOCK_N`` context tokens for the ``G_PAD`` query heads of one KV head
+    (online softmax per head): each K/V row is loaded once for the whole group."""
     pos = n0 + tl.arange(0, BLOCK_N)
     p_mask = pos < end
     block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=p_mask, other=0)
     base = block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
     kv_mask = p_mask[:, None] & d_mask[None, :]
     k = tl.load(k_cache_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    s = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
-    s = tl.where(p_mask, s, -float("inf"))
-    m_new = tl.maximum(m_run, tl.max(s, axis=0))
-    p = tl.exp(s - m_new)
-    alpha = tl.exp(m_run - m_new)
     v = tl.load(v_cache_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
-    l_run = l_run * alpha + tl.sum(p, axis=0)
-    m_run = m_new
-    return m_run, l_run, acc
+    if DOT_FP32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(p_mask[None, :], s * scale, -float("inf"))  # [G_PAD, BLOCK_N]
+    m_new = tl.maximum(m_run, tl.max(s, axis=1))  # finite: the tile holds a valid position
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m_run - m_new)
+    l_run = l_run * alpha + tl.sum(p, axis=1)
+    if DOT_FP32:  # noqa: SIM108 (keep Triton's control flow explicit)
+        pv = tl.dot(p, v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + pv
+    return m_new, l_run, acc
 
 
 @triton.jit
@@ -111,27 +121,38 @@ def decode_split_kernel(
     stride_cs,
     stride_ch,
     stride_bt,
+    NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    DOT_FP32: tl.constexpr,
     WHILE_LOOPS: tl.constexpr,
 ):
+    """One program per (decode token, KV head, split): the GROUP query heads sharing the KV head
+    are the rows of one ``tl.dot`` (padded to ``G_PAD`` >= 16), so the KV head's context is read
+    once per token instead of once per query head."""
     i = tl.program_id(0)
-    h = tl.program_id(1)
+    kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    num_heads = tl.num_programs(1)
     row = tl.load(token_rows_ptr + i)
     seq = tl.load(seq_ids_ptr + i)
     seq_len = tl.load(seq_lens_ptr + seq)
-    kv_head = h // GROUP
+    g = tl.arange(0, G_PAD)
+    g_mask = g < GROUP
+    heads = kv_head * GROUP + g
     d = tl.arange(0, D_PAD)
     d_mask = d < HEAD_DIM
-    q = tl.load(q_ptr + row * stride_qt + h * stride_qh + d, mask=d_mask, other=0.0)
-    q = q.to(tl.float32) * scale
+    q_mask = g_mask[:, None] & d_mask[None, :]
+    q = tl.load(
+        q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0
+    )
+    if DOT_FP32:
+        q = q.to(tl.float32)
 
     lo = 0
     if USE_WINDOW:
@@ -140,30 +161,30 @@ def decode_split_kernel(
     start = lo + split * per_split
     end = tl.minimum(start + per_split, seq_len)
 
-    m_run = -float("inf")
-    l_run = 0.0
-    acc = tl.zeros([D_PAD], dtype=tl.float32)
+    m_run = tl.full([G_PAD], -float("inf"), dtype=tl.float32)
+    l_run = tl.zeros([G_PAD], dtype=tl.float32)
+    acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
     if WHILE_LOOPS:
         n0 = start
         while n0 < end:
             m_run, l_run, acc = _decode_tile(
-                n0, end, q, m_run, l_run, acc, k_cache_ptr, v_cache_ptr, block_tables_ptr,
-                seq, kv_head, stride_cb, stride_cs, stride_ch, stride_bt, d, d_mask,
-                BLOCK_SIZE, BLOCK_N,
+                n0, end, q, m_run, l_run, acc, scale, k_cache_ptr, v_cache_ptr,
+                block_tables_ptr, seq, kv_head, stride_cb, stride_cs, stride_ch, stride_bt, d,
+                d_mask, BLOCK_SIZE, BLOCK_N, DOT_FP32,
             )  # fmt: skip
             n0 += BLOCK_N
     else:
         for n0 in range(start, end, BLOCK_N):
             m_run, l_run, acc = _decode_tile(
-                n0, end, q, m_run, l_run, acc, k_cache_ptr, v_cache_ptr, block_tables_ptr,
-                seq, kv_head, stride_cb, stride_cs, stride_ch, stride_bt, d, d_mask,
-                BLOCK_SIZE, BLOCK_N,
+                n0, end, q, m_run, l_run, acc, scale, k_cache_ptr, v_cache_ptr,
+                block_tables_ptr, seq, kv_head, stride_cb, stride_cs, stride_ch, stride_bt, d,
+                d_mask, BLOCK_SIZE, BLOCK_N, DOT_FP32,
             )  # fmt: skip
 
-    part = (i * num_heads + h) * NUM_SPLITS + split
-    tl.store(part_m_ptr + part, m_run)
-    tl.store(part_l_ptr + part, l_run)
-    tl.store(part_acc_ptr + part * D_PAD + d, acc)
+    part = (i * NUM_HEADS + heads) * NUM_SPLITS + split  # [G_PAD]
+    tl.store(part_m_ptr + part, m_run, mask=g_mask)
+    tl.store(part_l_ptr + part, l_run, mask=g_mask)
+    tl.store(part_acc_ptr + part[:, None] * D_PAD + d[None, :], acc, mask=g_mask[:, None])
 
 
 @triton.jit
