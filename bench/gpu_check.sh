@@ -1,18 +1,36 @@
 #!/usr/bin/env bash
-# GPU readiness check for the kernels package, on a CUDA machine (a few minutes, < 8).
+# GPU readiness check on a CUDA machine (about 5 minutes on an H200):
 #   1. uses the checkout in place (PYTHONPATH) with whatever torch/triton the machine has,
-#   2. runs the Triton kernel tests compiled on the GPU, the `gpu`-marked ones included
+#   2. runs the Triton kernel tests compiled on the GPU, the `gpu`-marked ones included, and the
+#      engine's greedy parity with transformers on the GPU (tests/test_engine_cuda.py)
 #      (--noconftest: the shared fixtures need Redis/model tooling that a GPU box may lack),
-#   3. times the Triton decode (batch 64/256, contexts 1k/4k) against a device-to-device copy.
+#   3. times the Triton decode (batch 64/256, contexts 1k/4k) against a plain read of as many bytes,
+#   4. runs bench.throughput on the GPU in bfloat16: ours against transformers' static batches.
+# Every step runs even when one before it failed; the exit status says whether all passed.
 # Usage, from the repository root: bash bench/gpu_check.sh   (PYTHON=... to pick an interpreter)
-set -euo pipefail
+set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+failed=()
 
-"$PY" -c "import torch, triton; assert torch.cuda.is_available(), 'no CUDA';
+step() {  # step NAME SECONDS CMD...: run with a time limit, remember a failure, go on
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name ($(date +%T))"
+  timeout "$limit" "$@" || failed+=("$name")
+}
+
+step info 60 "$PY" -c "import torch, triton; assert torch.cuda.is_available(), 'no CUDA';
 print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+step tests 300 "$PY" -m pytest -q -p no:cacheprovider --noconftest -o addopts="" \
+  tests/test_kernels_triton.py tests/test_engine_cuda.py
+step triton-decode 150 "$PY" -m bench.kernels --triton --repeats 20
+step throughput 300 "$PY" -m bench.throughput --device cuda --dtype bfloat16 --preset full \
+  --workload all --systems ours,hf-static --requests 256 --batch-sizes 64,256 --timeout 120
 
-timeout 300 "$PY" -m pytest -q -p no:cacheprovider --noconftest -o addopts="" \
-  tests/test_kernels_triton.py
-timeout 150 "$PY" -m bench.kernels --triton --repeats 20
+if ((${#failed[@]})); then
+  echo "gpu_check: FAILED: ${failed[*]}"
+  exit 1
+fi
+echo "gpu_check: all steps passed"
