@@ -12,7 +12,8 @@ worker steps on), ``submit_many`` jobs per second, the time from enqueue to the
 first streamed token on an idle worker, and the 1-minute load average.
 
 Usage: ``python -m bench.service [--model DIR|FILE.gguf | --preset tiny|bench|smollm2]
-[--requests 96] [--rounds 3] [--baseline-tree DIR] [--worker-flags "..."]`` (without
+[--requests 96] [--rounds 3] [--baseline-tree DIR] [--worker-flags "..."]
+[--device cuda --dtype bfloat16]`` (without
 ``--model`` the tiny or bench checkpoint is built into a temporary directory; ``smollm2`` is the
 embedded default model).
 """
@@ -76,6 +77,8 @@ def engine_options(args: argparse.Namespace) -> list[str]:
         "--max-num-seqs", str(args.max_num_seqs),
         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
         "--num-threads", str(args.threads),
+        "--device", args.device,
+        "--dtype", args.dtype,
     ]  # fmt: skip
 
 
@@ -94,6 +97,8 @@ def offline_engine(model: Path, args: argparse.Namespace) -> Engine:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_threads=args.threads,
+        device=args.device,
+        dtype=args.dtype,
     )
     eng = Engine(model, cfg)
     eng.add_request("warm", [10, 11, 12, 13], SamplingParams(temperature=0, max_tokens=4))
@@ -193,12 +198,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--requests", type=int, default=96)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (seed + round)")
+    ap.add_argument("--warmup-requests", type=int, default=96,
+                    help="untimed mixed requests through every system first")  # fmt: skip
     ap.add_argument("--baseline-tree", type=Path, default=None,
                     help="also run a worker from this source tree, alternating (A/B)")  # fmt: skip
     ap.add_argument("--worker-flags", default="",
                     help="extra flags for the service worker only (an A/B of a flag, with "
                          "--baseline-tree set to this tree)")  # fmt: skip
     ap.add_argument("--threads", type=int, default=1, help="torch threads (both runs)")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda[:n] (both runs)")
+    ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (both runs)")
     ap.add_argument("--kv-cache-memory", type=int, default=256 << 20)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -227,6 +236,11 @@ def run_rounds(
     got: dict[str, dict[str, list[float]]] = {
         n: {"tok_s": [], "cpu_s": [], "redis_cpu_s": [], "client_cpu_s": []} for n in systems
     }
+    if args.warmup_requests:  # not timed: first-seen shapes (Triton JIT, oneDNN) cost a round
+        warm = make_mixed(args.warmup_requests, vocab, args.seed - 1)
+        run_offline(eng, warm, "warm")
+        for url, _, _ in workers.values():
+            run_service(url, warm)
     for r in range(args.rounds):
         wl = make_mixed(args.requests, vocab, args.seed + r)
         k = r % len(systems)

@@ -320,3 +320,19 @@ def test_prefill_ab_times_three_builds_and_checks_their_outputs(
         assert set(got["ms"]) == {"ours", "base", "control"} and min(got["ms"].values()) > 0
         assert min(got["gflops"].values()) > 0 and got["ours/base"] > 0
         assert got["bit_identical"] == {"ours": True, "control": True}
+
+
+def test_service_bench_warms_every_system_then_times_rounds(
+    tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``bench.service``: a real worker on its own redis-server against the offline engine, an
+    untimed warm-up through both first (on a GPU the first shapes' Triton compiles took a
+    whole round), then timed rounds that each generated every requested token."""
+    from bench import service
+
+    args = ["--model", str(tiny_model_dir), "--requests", "6", "--rounds", "1"]
+    service.main([*args, "--warmup-requests", "3", "--submit-jobs", "50", "--ttft-repeats", "1"])
+    rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rec["requests"] == 6 and rec["rounds"] == 1
+    assert rec["offline_tok_s"] > 0 and rec["service_tok_s"] > 0
+    assert rec["service_over_offline"] == round(rec["service_tok_s"] / rec["offline_tok_s"], 3)
