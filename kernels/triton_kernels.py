@@ -68,15 +68,16 @@ def write_kv_kernel(
 
 
 @triton.jit
-def _decode_tile(
-    n0, end, q, m_run, l_run, acc, scale, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq,
-    kv_head, stride_cb, stride_cs, stride_ch, stride_bt, d, d_mask,
+def _kv_tile_scores(
+    n0, hi, q, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, stride_cb, stride_cs,
+    stride_ch, stride_bt, d, d_mask,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
 ):  # fmt: skip
-    """One tile of ``BLOCK_N`` context tokens for the ``G_PAD`` query heads of one KV head
-    (online softmax per head): each K/V row is loaded once for the whole group."""
+    """Context tokens ``n0 .. n0 + BLOCK_N`` (those from ``hi`` on masked) gathered through the
+    block table: their positions, the mask, ``q``'s unscaled scores against their keys (rows of
+    ``q`` x tokens) and their values (fp32 where ``DOT_FP32``)."""
     pos = n0 + tl.arange(0, BLOCK_N)
-    p_mask = pos < end
+    p_mask = pos < hi
     block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=p_mask, other=0)
     base = block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
     kv_mask = p_mask[:, None] & d_mask[None, :]
@@ -88,16 +89,38 @@ def _decode_tile(
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
+    return pos, p_mask, s, v
+
+
+@triton.jit
+def _weighted_values(p, v, DOT_FP32: tl.constexpr):
+    """``p @ v``: fp32 weights in full precision, else rounded to the cache's type (the tensor
+    cores' inputs), accumulated in fp32 either way."""
+    if DOT_FP32:  # noqa: SIM108 (keep Triton's control flow explicit)
+        pv = tl.dot(p, v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return pv
+
+
+@triton.jit
+def _decode_tile(
+    n0, end, q, m_run, l_run, acc, scale, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq,
+    kv_head, stride_cb, stride_cs, stride_ch, stride_bt, d, d_mask,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    """One tile of ``BLOCK_N`` context tokens for the ``G_PAD`` query heads of one KV head
+    (online softmax per head): each K/V row is loaded once for the whole group."""
+    _, p_mask, s, v = _kv_tile_scores(
+        n0, end, q, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, stride_cb,
+        stride_cs, stride_ch, stride_bt, d, d_mask, BLOCK_SIZE, BLOCK_N, DOT_FP32,
+    )  # fmt: skip
     s = tl.where(p_mask[None, :], s * scale, -float("inf"))  # [G_PAD, BLOCK_N]
     m_new = tl.maximum(m_run, tl.max(s, axis=1))  # finite: the tile holds a valid position
     p = tl.exp(s - m_new[:, None])
     alpha = tl.exp(m_run - m_new)
     l_run = l_run * alpha + tl.sum(p, axis=1)
-    if DOT_FP32:  # noqa: SIM108 (keep Triton's control flow explicit)
-        pv = tl.dot(p, v, input_precision="ieee")
-    else:
-        pv = tl.dot(p.to(v.dtype), v)
-    acc = acc * alpha[:, None] + pv
+    acc = acc * alpha[:, None] + _weighted_values(p, v, DOT_FP32)
     return m_new, l_run, acc
 
 
@@ -229,19 +252,10 @@ def _prefill_tile(
     DOT_FP32: tl.constexpr,
 ):  # fmt: skip
     """One ``BLOCK_M x BLOCK_N`` tile of a prefill chunk (causal, online softmax)."""
-    pos = n0 + tl.arange(0, BLOCK_N)
-    p_mask = pos < hi
-    block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=p_mask, other=0)
-    base = block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-    kv_mask = p_mask[:, None] & d_mask[None, :]
-    k = tl.load(k_cache_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_cache_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    if DOT_FP32:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
+    pos, p_mask, s, v = _kv_tile_scores(
+        n0, hi, q, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, stride_cb,
+        stride_cs, stride_ch, stride_bt, d, d_mask, BLOCK_SIZE, BLOCK_N, DOT_FP32,
+    )  # fmt: skip
     allowed = p_mask[None, :] & (pos[None, :] <= q_pos[:, None])
     if USE_WINDOW:
         allowed = allowed & (pos[None, :] > q_pos[:, None] - window)
@@ -251,11 +265,7 @@ def _prefill_tile(
     p = tl.exp(s - m_safe[:, None])
     alpha = tl.exp(m_run - m_safe)
     l_run = l_run * alpha + tl.sum(p, axis=1)
-    if DOT_FP32:  # noqa: SIM108 (keep Triton's control flow explicit)
-        pv = tl.dot(p, v, input_precision="ieee")
-    else:
-        pv = tl.dot(p.to(v.dtype), v)
-    acc = acc * alpha[:, None] + pv
+    acc = acc * alpha[:, None] + _weighted_values(p, v, DOT_FP32)
     m_run = m_new
     return m_run, l_run, acc
 
