@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -147,6 +148,31 @@ def test_negative_slots_are_skipped() -> None:
     backend.write_kv(key, value, k_cache, v_cache, slots)
     assert torch.equal(k_cache[0, 5], key[0]) and torch.equal(v_cache[1, 4], value[2])
     assert int((k_cache.abs().sum(dim=(2, 3)) != 0).sum()) == 2
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="on a GPU, tests/test_engine_cuda.py runs the engine there")
+def test_the_engine_through_the_triton_backend_matches_transformers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine with the Triton backend (under the interpreter) in place of the CPU one, the
+    fused C ops off so that the KV writes go through Triton too: the GPU path's integration
+    (plans, metadata, chunked prefill, prefix hits, decode splits), checked where CI runs."""
+    from kernels import registry
+    from pagedserve.params import SamplingParams
+    from tests.test_engine import hf_greedy, random_prompts
+    from worker import LLM
+    from worker.make_model import build_checkpoint
+
+    model_dir = build_checkpoint("qwen2", "tiny", tmp_path / "qwen2")
+    monkeypatch.setitem(registry._BACKENDS, "cpu", triton_backend.TritonBackend())
+    llm = LLM(model_dir, block_size=16, num_kv_blocks=64, max_num_batched_tokens=48)
+    llm.engine.runner.model.use_fused = False
+    shared = random_prompts(99, 1, 40, 40)[0]
+    prompts = random_prompts(1, 3, 1, 70) + random_prompts(2, 3, 1, 20, shared=shared)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model_dir, p, 8) for p in prompts]
+    assert llm.engine.stats().prefix_cache["hit_tokens"] > 0
 
 
 # ---------------------------------------------------------------- compiled, on the GPU only
