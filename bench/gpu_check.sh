@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# GPU readiness check on a CUDA machine (about 5 minutes on an H200):
+# GPU readiness check on a CUDA machine (about 5-6 minutes on an H200):
 #   1. uses the checkout in place (PYTHONPATH) with whatever torch/triton the machine has,
 #   2. runs the Triton kernel tests compiled on the GPU, the `gpu`-marked ones included, and the
 #      engine's greedy parity with transformers on the GPU (tests/test_engine_cuda.py)
 #      (--noconftest: the shared fixtures need Redis/model tooling that a GPU box may lack),
 #   3. times the Triton decode (batch 64/256, contexts 1k/4k) against a plain read of as many bytes,
-#   4. runs bench.throughput on the GPU in bfloat16: ours against transformers' static batches.
+#   4. runs bench.throughput on the GPU in bfloat16: ours against transformers' static batches,
+#   5. where a redis-server is on the PATH, bench.service on the GPU (the service path at GPU step
+#      speeds against the offline engine; it needs this project's service packages: redis, ...).
 # Every step runs even when one before it failed; the exit status says whether all passed.
 # Usage, from the repository root: bash bench/gpu_check.sh   (PYTHON=... to pick an interpreter)
 set -uo pipefail
@@ -28,6 +30,12 @@ step tests 300 "$PY" -m pytest -q -p no:cacheprovider --noconftest -o addopts=""
 step triton-decode 150 "$PY" -m bench.kernels --triton --repeats 20
 step throughput 300 "$PY" -m bench.throughput --device cuda --dtype bfloat16 --preset full \
   --workload all --systems ours,hf-static --requests 256 --batch-sizes 64,256 --timeout 120
+if command -v redis-server >/dev/null; then
+  step service 240 "$PY" -m bench.service --preset tiny --device cuda --dtype bfloat16 \
+    --rounds 3 --requests 384
+else
+  echo "=== service: skipped (no redis-server on the PATH)"
+fi
 
 if ((${#failed[@]})); then
   echo "gpu_check: FAILED: ${failed[*]}"
