@@ -12,7 +12,7 @@ import torch
 
 from scheduler.output import ScheduledSequence, SchedulerOutput
 from worker.cpu_memory import thp_mode
-from worker.model_runner import ModelRunner
+from worker.model_runner import ModelRunner, resolve_dtype
 from worker.outputs import EngineConfig
 
 
@@ -232,3 +232,17 @@ def test_linear_with_a_packed_weight_handles_any_row_count() -> None:
     x3 = torch.randn(2, 3, 16, generator=gen)
     torch.testing.assert_close(linear(x3, packed), x3 @ weight.T)
     assert pack_weight(weight.to(torch.bfloat16)) is None  # float32 only
+
+
+def test_the_default_dtype_is_float32_on_a_cpu_and_bfloat16_on_a_gpu() -> None:
+    """``auto`` (the default): the CPU keeps transformers' float32 (greedy parity), a GPU runs
+    bfloat16 as deployments there do; explicit names are taken as given, float16 not on a CPU."""
+    assert EngineConfig().dtype == "auto"
+    assert resolve_dtype("auto", torch.device("cpu")) is torch.float32
+    assert resolve_dtype("auto", torch.device("cuda")) is torch.bfloat16
+    assert resolve_dtype("float32", torch.device("cuda")) is torch.float32
+    assert resolve_dtype("bfloat16", torch.device("cpu")) is torch.bfloat16
+    with pytest.raises(ValueError, match="float16 is not supported on CPU"):
+        resolve_dtype("float16", torch.device("cpu"))
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        resolve_dtype("int8", torch.device("cpu"))

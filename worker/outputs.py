@@ -29,9 +29,11 @@ class EngineConfig:
     max_model_len: int | None = field(
         default=None, metadata=opt("longest sequence (default: the model's positions)")
     )
+    # auto: float32 on a CPU (greedy parity with transformers' float32), bfloat16 on a GPU
+    # (what a GPU deployment runs; compose.yaml said so explicitly, a bare worker did not)
     dtype: str = field(
-        default="float32",
-        metadata=opt("float32 | bfloat16 | float16 | auto (the checkpoint's dtype on a GPU)"),
+        default="auto",
+        metadata=opt("float32 | bfloat16 | float16 | auto (float32 on a CPU, bfloat16 on a GPU)"),
     )
     device: str = field(default="cpu", metadata=opt("cpu | cuda[:n]"))
     enable_prefix_caching: bool = field(
