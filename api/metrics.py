@@ -93,6 +93,15 @@ def worker_counters(views: list[WorkerView]) -> Iterator[Metric]:
         for status, n in sorted(hb.jobs_finished.items()):
             finished.add_metric([i, status], n)
     yield finished
+    loop = CounterMetricFamily(
+        P + "worker_loop_seconds",
+        "The service loop's time by phase: engine (steps), service (its own work), idle.",
+        labels=["worker", "phase"],
+    )
+    for i, hb in ids:
+        for phase, sec in sorted(hb.loop_seconds.items()):
+            loop.add_metric([i, phase], sec)
+    yield loop
 
 
 def prefix_series(views: list[WorkerView]) -> Iterator[Metric]:

@@ -9,7 +9,11 @@ tokens per second of each (medians and per round), the per-round ratios and thei
 ``service_over_offline`` >= 0.95), CPU seconds per round of each system and, beside a worker's, of
 its redis-server and of this process as the client (on a 2-core machine they share the cores the
 worker steps on), ``submit_many`` jobs per second, the time from enqueue to the
-first streamed token on an idle worker, and the 1-minute load average.
+first streamed token on an idle worker, and the 1-minute load average. A worker's loop clock
+(its heartbeat's ``loop_seconds``, read before and after each round) splits its round into engine
+steps (``loop_engine_s``; ``engine_over_offline_wall`` > 1: the same steps ran slower beside the
+service's other threads and processes) and the loop's own work (``loop_service_s``, its share of
+the round's wall time ``loop_service_share``); the rest of the round is waiting.
 
 Usage: ``python -m bench.service [--model DIR|FILE.gguf | --preset tiny|bench|smollm2]
 [--requests 96] [--rounds 3] [--baseline-tree DIR] [--worker-flags "..."]
@@ -234,8 +238,10 @@ def run_rounds(
     Round ``r`` runs workload seed ``seed + r`` on each, in an order rotated by one every round."""
     systems = ["offline", *workers]
     got: dict[str, dict[str, list[float]]] = {
-        n: {"tok_s": [], "cpu_s": [], "redis_cpu_s": [], "client_cpu_s": []} for n in systems
-    }
+        n: {"tok_s": [], "cpu_s": [], "redis_cpu_s": [], "client_cpu_s": [], "wall_s": [],
+            "loop_engine_s": [], "loop_service_s": []}
+        for n in systems
+    }  # fmt: skip
     if args.warmup_requests:  # not timed: first-seen shapes (Triton JIT, oneDNN) cost a round
         warm = make_mixed(args.warmup_requests, vocab, args.seed - 1)
         run_offline(eng, warm, "warm")
@@ -246,17 +252,41 @@ def run_rounds(
         k = r % len(systems)
         for name in systems[k:] + systems[:k]:
             pid = None if name == "offline" else workers[name][1]
-            cpu0 = cpu_s(pid)
             if name == "offline":
+                cpu0 = cpu_s()
                 wall = run_offline(eng, wl, f"r{r}")
+                got[name]["cpu_s"].append(cpu_s() - cpu0)
             else:
-                redis0, client0 = cpu_s(workers[name][2]), cpu_s()
-                wall = run_service(workers[name][0], wl)
+                url = workers[name][0]
+                loop0 = loop_seconds(url, time.time())
+                redis0, client0, cpu0 = cpu_s(workers[name][2]), cpu_s(), cpu_s(pid)
+                wall = run_service(url, wl)
+                got[name]["cpu_s"].append(cpu_s(pid) - cpu0)
                 got[name]["redis_cpu_s"].append(cpu_s(workers[name][2]) - redis0)
                 got[name]["client_cpu_s"].append(cpu_s() - client0)
-            got[name]["cpu_s"].append(cpu_s(pid) - cpu0)
+                loop1 = loop_seconds(url, time.time())
+                for phase in ("engine", "service"):
+                    if phase in loop0 and phase in loop1:
+                        got[name][f"loop_{phase}_s"].append(loop1[phase] - loop0[phase])
             got[name]["tok_s"].append(wl.output_tokens / wall)
+            got[name]["wall_s"].append(wall)
     return got
+
+
+def loop_seconds(url: str, after: float, timeout: float = 5.0) -> dict[str, float]:
+    """The worker's loop clock (``engine`` / ``service`` / ``idle`` seconds) from its first
+    heartbeat published after ``after`` (Redis time; one machine); {} from a tree without it."""
+    store = JobStore(url)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            hb = store.workers().get("bench", {})
+            if float(hb.get("last_seen", 0.0)) > after:
+                return dict(hb.get("loop_seconds") or {})
+            time.sleep(0.05)
+        return {}
+    finally:
+        store.r.close()
 
 
 def summary(got: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
@@ -267,9 +297,20 @@ def summary(got: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
     for name, xs in tps.items():
         out[f"{name}_tok_s"] = round(statistics.median(xs), 1)
         out[f"{name}_tok_s_rounds"] = [round(x, 1) for x in xs]
-        for what in ("cpu_s", "redis_cpu_s", "client_cpu_s"):
+        for what in ("cpu_s", "redis_cpu_s", "client_cpu_s", "wall_s", "loop_engine_s",
+                     "loop_service_s"):  # fmt: skip
             if got[name][what]:
-                out[f"{name}_{what}_rounds"] = [round(x, 2) for x in got[name][what]]
+                out[f"{name}_{what}_rounds"] = [round(x, 3) for x in got[name][what]]
+        engine = got[name]["loop_engine_s"]
+        if name != "offline" and len(engine) == len(xs):
+            # > 1: the same steps took longer in the worker (other threads and processes on
+            # these cores); the service share is the loop's own work in the round's wall time
+            offline = got["offline"]["wall_s"]
+            ratios = [e / w for e, w in zip(engine, offline, strict=True)]
+            out[f"{name}_engine_over_offline_wall"] = round(statistics.median(ratios), 3)
+            shares = [v / w for v, w in zip(got[name]["loop_service_s"], got[name]["wall_s"],
+                                             strict=True)]  # fmt: skip
+            out[f"{name}_loop_service_share"] = round(statistics.median(shares), 3)
     pairs = [(n, "offline") for n in tps if n != "offline"]
     if "baseline" in tps:
         pairs.append(("service", "baseline"))

@@ -124,6 +124,10 @@ class WorkerHeartbeat(BaseModel):
     prefixes: list[PrefixGroup] = Field(default_factory=list)
     time_to_first_token_seconds: Histogram = Field(default_factory=Histogram)
     e2e_request_latency_seconds: Histogram = Field(default_factory=Histogram)
+    # The service loop's cumulative seconds by phase (``worker.service_telemetry.LoopClock``):
+    # ``engine`` in engine steps, ``service`` in its own work (claims, admission, heartbeats,
+    # progress and results handed to the writer), ``idle`` waiting for work or for Redis.
+    loop_seconds: dict[str, float] = Field(default_factory=dict)
     # The served model's context, for the API's length check (``api.jobs.check_context``):
     # ``worker.pretokenize.context_info``. ``max_token_bytes``: most UTF-8 bytes one token of the
     # vocabulary stands for (None: no tokenizer, text cannot be bounded).

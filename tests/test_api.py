@@ -267,6 +267,9 @@ def test_metrics_text_parses_with_values(client: FlaskClient, redis_url: str) ->
     assert s[(ttft + "_bucket", (("le", "+Inf"), *w))] == 4
     assert s[(ttft + "_count", w)] == 4 and s[(ttft + "_sum", w)] == pytest.approx(7.62)
     assert s[("pagedserve:e2e_request_latency_seconds_count", w)] == 1
+    loop = "pagedserve:worker_loop_seconds_total"
+    assert s[(loop, (("phase", "engine"), *w))] == 12.5
+    assert s[(loop, (("phase", "service"), *w))] == 0.75
 
 
 # ----------------------------------------------------------------------------- misc

@@ -336,3 +336,10 @@ def test_service_bench_warms_every_system_then_times_rounds(
     assert rec["requests"] == 6 and rec["rounds"] == 1
     assert rec["offline_tok_s"] > 0 and rec["service_tok_s"] > 0
     assert rec["service_over_offline"] == round(rec["service_tok_s"] / rec["offline_tok_s"], 3)
+    # the worker's loop clock, read from its heartbeats around the round
+    (engine,) = rec["service_loop_engine_s_rounds"]
+    (own,) = rec["service_loop_service_s_rounds"]
+    (wall,) = rec["service_wall_s_rounds"]
+    assert 0 < engine < wall and 0 <= own < wall
+    (offline,) = rec["offline_wall_s_rounds"]
+    assert rec["service_engine_over_offline_wall"] == pytest.approx(engine / offline, rel=0.02)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -173,4 +174,7 @@ def test_heartbeat_contents(redis_url: str, model_dir: Path, start_worker: Start
     assert hb.tokens_generated >= 5 and hb.steps > 0
     assert hb.pool is not None and len(hb.pool.block_states) == hb.pool.num_blocks == 256
     assert hb.jobs_finished == {"succeeded": 5}
+    loop = hb.loop_seconds  # the loop clock: its phases add up to no more than the uptime
+    assert set(loop) == {"engine", "service", "idle"} and loop["engine"] > 0
+    assert sum(loop.values()) <= time.time() - hb.started_at + 0.01
     assert TEST_WORKER_ARGS  # the fixture's options are what the offline comparison mirrors

@@ -56,7 +56,7 @@ from worker.service_config import (
     parse_args,
     service_config,
 )
-from worker.service_telemetry import ServiceTelemetry
+from worker.service_telemetry import LoopClock, ServiceTelemetry
 from worker.writer import WRITE_FAILED, Writer
 
 if TYPE_CHECKING:
@@ -129,6 +129,7 @@ class Worker:
         self._redis = self.guard.call
         self.last_claim = self.last_reclaim = self.last_renew = self.last_hb = 0.0
         self.telemetry = ServiceTelemetry(cfg.throughput_window_s)
+        self.clock = LoopClock()
         self.pretok = Pretokenizer.for_engine(engine)  # text and chat prompts: off the loop
         self.admission = PrefixAdmission(cfg, engine, self.jobs)  # which jobs to claim
 
@@ -253,7 +254,7 @@ class Worker:
         round trips run on the claimer's thread (:mod:`worker.claimer`); an idle loop waits
         here for its blocking read instead (a little longer than the read: the hand-over)."""
         idle_wait = self.cfg.idle_block_ms / 1e3 + 0.05
-        got = self.claimer.take(0.0 if self._busy() else idle_wait)
+        got = self.claimer.take(0.0) if self._busy() else self._idle_take(idle_wait)
         if got is not None:
             self._claimed(got)
         cap = self._capacity()
@@ -269,8 +270,16 @@ class Worker:
             cap, 0 if busy else self.cfg.idle_block_ms, self.admission.order_request(),
             reclaim_ms=self.cfg.reclaim_ms if reclaim else 0, held=self.held,
         ))  # fmt: skip
-        if not busy and (got := self.claimer.take(idle_wait)) is not None:
+        if not busy and (got := self._idle_take(idle_wait)) is not None:
             self._claimed(got)
+
+    def _idle_take(self, timeout: float) -> Claimed | None:
+        """The claimer's round, waiting up to ``timeout`` for it: idle time on the loop clock."""
+        t0 = time.perf_counter()
+        try:
+            return self.claimer.take(timeout)
+        finally:
+            self.clock.idle += time.perf_counter() - t0
 
     def _busy(self) -> bool:
         """Work in hand: running jobs, unsent final writes, prompts being tokenized."""
@@ -306,7 +315,11 @@ class Worker:
     def step(self) -> None:
         """One engine step, and the progress it makes due (all jobs together: one batch)."""
         self._add_tokenized()
-        outputs = self.engine.step() if self.engine.has_unfinished() else []
+        outputs: list[RequestOutput] = []
+        if self.engine.has_unfinished():
+            t0 = time.perf_counter()
+            outputs = self.engine.step()
+            self.clock.engine += time.perf_counter() - t0
         jobs = self.jobs
         for out in outputs:
             st = jobs.get(out.request_id)
@@ -442,6 +455,7 @@ class Worker:
             jobs=self.jobs,
             context=self.pretok.context,
             prefixes=self.admission.telemetry(),
+            loop=self.clock,
         )
 
     def redis_ok(self) -> bool:
@@ -464,28 +478,39 @@ class Worker:
         return self.writer.close(timeout)
 
     # ----------------------------------------------------------------- main loop
+    def _iterate(self) -> bool:
+        """One pass of the loop; False once it is to stop (drained, or past the grace time)."""
+        if self.draining:
+            if not self.unstarted_handed_back:
+                self.hand_back_unstarted()
+            if (not self.jobs and not self.unsent and self.writer.idle()
+                    and not self.claimer.pending):  # fmt: skip
+                return False
+            if time.monotonic() >= self.drain_deadline:
+                self.drain_expired()
+                self.commit()
+                return False
+        self.housekeeping()
+        self.step()
+        self.commit()
+        if not self.engine.has_unfinished():
+            t0 = time.perf_counter()
+            if not self.guard.ok:
+                time.sleep(self.guard.wait_s())
+            elif self.draining:  # only the writer has work left: wait for it, do not spin
+                self.writer.flush(0.05)
+            self.clock.idle += time.perf_counter() - t0
+        return True
+
     def run(self) -> int:
         self.guard.sync_clock()
         log.info("worker %s serving %s", self.cfg.worker_id, self.engine.model_name)
         while True:
-            if self.draining:
-                if not self.unstarted_handed_back:
-                    self.hand_back_unstarted()
-                if (not self.jobs and not self.unsent and self.writer.idle()
-                        and not self.claimer.pending):  # fmt: skip
-                    break
-                if time.monotonic() >= self.drain_deadline:
-                    self.drain_expired()
-                    self.commit()
-                    break
-            self.housekeeping()
-            self.step()
-            self.commit()
-            if not self.engine.has_unfinished():
-                if not self.guard.ok:
-                    time.sleep(self.guard.wait_s())
-                elif self.draining:  # only the writer has work left: wait for it, do not spin
-                    self.writer.flush(0.05)
+            self.clock.begin()
+            go_on = self._iterate()
+            self.clock.end()
+            if not go_on:
+                break
         if not self.close(self.cfg.writer_drain_s):  # a down Redis: retried that long
             log.warning("exiting with %d unsent results", self.writer.unsent_finals())
         with contextlib.suppress(*REDIS_DOWN):

@@ -21,6 +21,42 @@ from worker.job_state import JobState
 
 
 @dataclass
+class LoopClock:
+    """Where the service loop's time goes: each iteration's wall time, split into the engine's
+    steps, waits (for work, for a down Redis) and the rest, the loop's own service work.
+
+    Why: at fast steps (a GPU, a small model) the service path's cost is that rest, and the
+    ratio ``engine / offline wall`` tells a slower step (other threads and processes on the
+    same cores) from loop overhead (``bench.service`` reads it from the heartbeat)."""
+
+    total: float = 0.0  # finished iterations
+    engine: float = 0.0
+    idle: float = 0.0
+    started: float | None = None  # perf_counter() at the start of the running iteration
+
+    def begin(self) -> None:
+        self.started = time.perf_counter()
+
+    def end(self) -> None:
+        if self.started is not None:
+            self.total += time.perf_counter() - self.started
+            self.started = None
+
+    def seconds(self) -> dict[str, float]:
+        """Cumulative seconds by phase, the running iteration's so far included (a heartbeat
+        is taken mid-iteration, after some of its engine or idle time was counted)."""
+        total = self.total
+        if self.started is not None:
+            total += time.perf_counter() - self.started
+        service = max(0.0, total - self.engine - self.idle)
+        return {
+            "engine": round(self.engine, 4),
+            "service": round(service, 4),
+            "idle": round(self.idle, 4),
+        }
+
+
+@dataclass
 class ServiceTelemetry:
     throughput_window_s: float = 10.0
     started_at: float = field(default_factory=time.time)
@@ -48,6 +84,7 @@ class ServiceTelemetry:
         jobs: Mapping[str, JobState],
         context: Mapping[str, int],
         prefixes: Sequence[PrefixGroup] = (),
+        loop: LoopClock | None = None,
     ) -> WorkerHeartbeat:
         """The heartbeat: the engine's telemetry, this loop's counters and the model's context
         (``max_model_len`` / ``max_token_bytes``, :func:`worker.pretokenize.context_info`)."""
@@ -75,5 +112,6 @@ class ServiceTelemetry:
             prefixes=list(prefixes),
             time_to_first_token_seconds=self.ttft,
             e2e_request_latency_seconds=self.e2e,
+            loop_seconds=loop.seconds() if loop is not None else {},
             **context,
         )
