@@ -5,6 +5,7 @@
 #      engine's greedy parity with transformers on the GPU (tests/test_engine_cuda.py)
 #      (--noconftest: the shared fixtures need Redis/model tooling that a GPU box may lack),
 #   3. times the Triton decode (batch 64/256, contexts 1k/4k) against a plain read of as many bytes,
+#      and two prefill cases (TFLOP/s),
 #   4. runs bench.throughput on the GPU in bfloat16: ours against transformers' static batches,
 #   5. where a redis-server is on the PATH, bench.service on the GPU (the service path at GPU step
 #      speeds against the offline engine; it needs this project's service packages: redis, ...).
@@ -27,7 +28,7 @@ step info 60 "$PY" -c "import torch, triton; assert torch.cuda.is_available(), '
 print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 step tests 300 "$PY" -m pytest -q -p no:cacheprovider --noconftest -o addopts="" \
   tests/test_kernels_triton.py tests/test_engine_cuda.py
-step triton-decode 150 "$PY" -m bench.kernels --triton --repeats 20
+step triton-kernels 180 "$PY" -m bench.kernels --triton --repeats 20
 step throughput 300 "$PY" -m bench.throughput --device cuda --dtype bfloat16 --preset full \
   --workload all --systems ours,hf-static --requests 256 --batch-sizes 64,256 --timeout 120
 if command -v redis-server >/dev/null; then

@@ -25,9 +25,10 @@ project benchmarks):
 Runs with transparent huge pages on large tensors, as the engine does (``worker.cpu_memory``):
 set before torch allocates anything; ``THP_MEM_ALLOC_ENABLE=0`` in the environment opts out.
 
-With ``--triton`` (CUDA only) it times the Triton decode instead: batch 64 and 256, contexts 1k
-and 4k, bf16, 32 / 8 / 128 heads, against a plain sum over the same number of bytes
-(``fraction_of_read``) and a device-to-device copy (``d2d_copy_moved_gbps``, read + written).
+With ``--triton`` (CUDA only) it times the Triton kernels instead, bf16, 32 / 8 / 128 heads: the
+decode at batch 64 and 256 x contexts 1k and 4k, against a plain sum over the same number of bytes
+(``fraction_of_read``) and a device-to-device copy (``d2d_copy_moved_gbps``, read + written), and
+prefill chunks (``tflops``: the attention's products over the keys each query sees).
 
 ``--shapes 9/3/64,14/2/64`` adds the decode rows for other head shapes (batch 48 x 400 and
 64 x 512: ``decode_by_shape``). Prints the CPU kind beside the figures (``bench.common.emit``).
@@ -277,36 +278,59 @@ def bench_shared_prefix(
     }
 
 
-def bench_triton_decode(batch: int, ctx: int, repeats: int) -> dict[str, float]:
-    """Triton decode on CUDA, Llama-8B-like heads (32 / 8 / 128), bf16, block_size 16."""
+@dataclass(frozen=True)
+class TritonCase:
+    """Where and at which head shape the Triton kernels are timed: an H200 in bf16 with
+    Llama-8B-like heads by default; the tests run tiny shapes on the CPU under the interpreter."""
+
+    device: str = "cuda"
+    dtype: torch.dtype = torch.bfloat16
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    block_size: int = 16
+
+    def sync(self) -> None:
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    def caches(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (num_blocks, self.block_size, self.kv_heads, self.head_dim)
+        k = torch.randn(shape, device=self.device, dtype=self.dtype)
+        return k, torch.randn(shape, device=self.device, dtype=self.dtype)
+
+
+def bench_triton_decode(
+    batch: int, ctx: int, repeats: int, case: TritonCase | None = None
+) -> dict[str, float]:
+    """Triton decode (one token per sequence, ``ctx`` cached), against a plain read (a sum) and
+    a device-to-device copy of as many K/V bytes."""
     from kernels.triton_backend import TritonBackend
 
-    heads, kv_heads, head_dim, block_size = 32, 8, 128, 16
+    c = case or TritonCase()
     gen = torch.Generator().manual_seed(0)
-    num_blocks = batch * ((ctx + block_size - 1) // block_size) + 16
-    meta = make_metadata([1] * batch, [ctx] * batch, block_size, num_blocks, gen, "cuda")
-    shape = (num_blocks, block_size, kv_heads, head_dim)
-    k_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-    v_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-    query = torch.randn(batch, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    num_blocks = batch * ((ctx + c.block_size - 1) // c.block_size) + 16
+    meta = make_metadata([1] * batch, [ctx] * batch, c.block_size, num_blocks, gen, c.device)
+    k_cache, v_cache = c.caches(num_blocks)
+    query = torch.randn(batch, c.heads, c.head_dim, device=c.device, dtype=c.dtype)
     backend = TritonBackend()
 
     def run() -> None:
-        backend.paged_attention(query, query, query, k_cache, v_cache, meta, head_dim**-0.5)
-        torch.cuda.synchronize()
+        backend.paged_attention(query, query, query, k_cache, v_cache, meta, c.head_dim**-0.5)
+        c.sync()
 
     seconds = median_seconds(run, repeats)
-    kv_bytes = 2 * batch * ctx * kv_heads * head_dim * 2
-    src = torch.empty(kv_bytes // 2, device="cuda", dtype=torch.bfloat16)
+    kv_bytes = 2 * batch * ctx * c.kv_heads * c.head_dim * query.element_size()
+    src = torch.empty(kv_bytes // query.element_size(), device=c.device, dtype=c.dtype)
     dst = torch.empty_like(src)
 
     def copy() -> None:
         dst.copy_(src)
-        torch.cuda.synchronize()
+        c.sync()
 
     def read() -> None:  # a plain reduction: the read-only ceiling of the same bytes
         src.sum(dtype=torch.float32)
-        torch.cuda.synchronize()
+        c.sync()
 
     # a copy reads and writes kv_bytes: moved = 2 x kv_bytes
     copy_gbps = 2 * kv_bytes / median_seconds(copy, repeats) / 1e9
@@ -320,6 +344,59 @@ def bench_triton_decode(batch: int, ctx: int, repeats: int) -> dict[str, float]:
         "sum_read_gbps": round(read_gbps, 1),
         "d2d_copy_moved_gbps": round(copy_gbps, 1),
         "fraction_of_read": round(gbps / read_gbps, 3),
+    }
+
+
+def bench_triton_prefill(
+    seqs: int, chunk: int, cached: int, repeats: int, case: TritonCase | None = None
+) -> dict[str, float]:
+    """Triton prefill: ``seqs`` chunks of ``chunk`` new tokens, each after ``cached`` tokens
+    already in the cache (causal). TFLOP/s counts the attention's two products over the keys
+    each query sees (``4 x head_dim`` per query head and key)."""
+    from kernels.triton_backend import TritonBackend
+
+    c = case or TritonCase()
+    gen = torch.Generator().manual_seed(1)
+    ctx = cached + chunk
+    num_blocks = seqs * ((ctx + c.block_size - 1) // c.block_size) + 16
+    meta = make_metadata([chunk] * seqs, [ctx] * seqs, c.block_size, num_blocks, gen, c.device)
+    k_cache, v_cache = c.caches(num_blocks)
+    query = torch.randn(seqs * chunk, c.heads, c.head_dim, device=c.device, dtype=c.dtype)
+    backend = TritonBackend()
+
+    def run() -> None:
+        backend.paged_attention(query, query, query, k_cache, v_cache, meta, c.head_dim**-0.5)
+        c.sync()
+
+    seconds = median_seconds(run, repeats)
+    keys_seen = seqs * sum(cached + i + 1 for i in range(chunk))  # causal: query i sees i + 1
+    flops = 4 * c.head_dim * c.heads * keys_seen
+    return {
+        "seqs": seqs,
+        "chunk": chunk,
+        "cached": cached,
+        "ms": round(seconds * 1e3, 3),
+        "flops": flops,
+        "tflops": round(flops / seconds / 1e12, 2),
+    }
+
+
+def triton_figures(repeats: int, case: TritonCase | None = None) -> dict[str, object]:
+    """``--triton``: the decode at batch 64 / 256 x contexts 1k / 4k, and prefill chunks (8 fresh
+    prompts of 512; 16 chunks of 256 after 2048 cached), at ``case``'s heads."""
+    c = case or TritonCase()
+    decode = [bench_triton_decode(b, n, repeats, c) for b in (64, 256) for n in (1024, 4096)]
+    prefill = [
+        bench_triton_prefill(s, n, k, repeats, c) for s, n, k in ((8, 512, 0), (16, 256, 2048))
+    ]
+    name = torch.cuda.get_device_name() if c.device.startswith("cuda") else c.device
+    return {
+        "bench": "kernels.triton",
+        "device": name,
+        "dtype": str(c.dtype).split(".")[-1],
+        "heads": [c.heads, c.kv_heads, c.head_dim],
+        "decode": decode,
+        "prefill": prefill,
     }
 
 
@@ -337,10 +414,7 @@ def main() -> None:
     enable_huge_pages()  # before the first tensor, as the worker does
     shapes = [HeadShape.parse(x) for x in args.shapes.split(",") if x]
     if args.triton:
-        cases = [(b, c) for b in (64, 256) for c in (1024, 4096)]
-        decode = [bench_triton_decode(b, c, args.repeats) for b, c in cases]
-        print(json.dumps({"bench": "kernels.triton", "device": torch.cuda.get_device_name(),
-                          "dtype": "bfloat16", "decode": decode}))  # fmt: skip
+        print(json.dumps(triton_figures(args.repeats)))
         return
     if args.threads:
         torch.set_num_threads(args.threads)

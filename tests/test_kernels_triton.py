@@ -175,6 +175,20 @@ def test_the_engine_through_the_triton_backend_matches_transformers(
     assert llm.engine.stats().prefix_cache["hit_tokens"] > 0
 
 
+@pytest.mark.skipif(HAS_CUDA, reason="gpu_check.sh runs the full-size timings on a GPU")
+def test_the_triton_timings_run_at_a_tiny_shape() -> None:
+    """``bench.kernels --triton``'s decode and prefill timings, on the CPU under the interpreter
+    at a tiny shape: what a GPU session runs first must not fail there."""
+    from bench.kernels import TritonCase, bench_triton_decode, bench_triton_prefill
+
+    case = TritonCase("cpu", torch.float32, heads=4, kv_heads=2, head_dim=32, block_size=8)
+    dec = bench_triton_decode(2, 40, 1, case)
+    assert dec["ms"] > 0 and dec["sum_read_gbps"] > 0 and dec["fraction_of_read"] >= 0
+    pre = bench_triton_prefill(2, 12, 20, 1, case)
+    # causal: the 12 queries of each chunk see 21 .. 32 keys; 4 x head_dim per head and key
+    assert pre["flops"] == 4 * 32 * 4 * 2 * sum(range(21, 33)) and pre["ms"] > 0
+
+
 # ---------------------------------------------------------------- compiled, on the GPU only
 @gpu
 @needs_cuda
