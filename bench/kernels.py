@@ -294,10 +294,28 @@ class TritonCase:
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
 
-    def caches(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (num_blocks, self.block_size, self.kv_heads, self.head_dim)
-        k = torch.randn(shape, device=self.device, dtype=self.dtype)
-        return k, torch.randn(shape, device=self.device, dtype=self.dtype)
+    def time_attention(self, query_lens: list[int], seq_lens: list[int], repeats: int) -> float:
+        """Median seconds of the Triton backend's attention over a random paged batch."""
+        from kernels.triton_backend import TritonBackend
+
+        gen = torch.Generator().manual_seed(len(seq_lens))
+        bs = self.block_size
+        num_blocks = sum((n + bs - 1) // bs for n in seq_lens) + 16
+        meta = make_metadata(query_lens, seq_lens, bs, num_blocks, gen, self.device)
+        shape = (num_blocks, bs, self.kv_heads, self.head_dim)
+        k_cache = torch.randn(shape, device=self.device, dtype=self.dtype)
+        v_cache = torch.randn(shape, device=self.device, dtype=self.dtype)
+        rows = (sum(query_lens), self.heads, self.head_dim)
+        query = torch.randn(rows, device=self.device, dtype=self.dtype)
+        backend = TritonBackend()
+
+        def run() -> None:
+            backend.paged_attention(
+                query, query, query, k_cache, v_cache, meta, self.head_dim**-0.5
+            )
+            self.sync()
+
+        return median_seconds(run, repeats)
 
 
 def bench_triton_decode(
@@ -305,23 +323,11 @@ def bench_triton_decode(
 ) -> dict[str, float]:
     """Triton decode (one token per sequence, ``ctx`` cached), against a plain read (a sum) and
     a device-to-device copy of as many K/V bytes."""
-    from kernels.triton_backend import TritonBackend
-
     c = case or TritonCase()
-    gen = torch.Generator().manual_seed(0)
-    num_blocks = batch * ((ctx + c.block_size - 1) // c.block_size) + 16
-    meta = make_metadata([1] * batch, [ctx] * batch, c.block_size, num_blocks, gen, c.device)
-    k_cache, v_cache = c.caches(num_blocks)
-    query = torch.randn(batch, c.heads, c.head_dim, device=c.device, dtype=c.dtype)
-    backend = TritonBackend()
-
-    def run() -> None:
-        backend.paged_attention(query, query, query, k_cache, v_cache, meta, c.head_dim**-0.5)
-        c.sync()
-
-    seconds = median_seconds(run, repeats)
-    kv_bytes = 2 * batch * ctx * c.kv_heads * c.head_dim * query.element_size()
-    src = torch.empty(kv_bytes // query.element_size(), device=c.device, dtype=c.dtype)
+    seconds = c.time_attention([1] * batch, [ctx] * batch, repeats)
+    item = torch.empty((), dtype=c.dtype).element_size()
+    kv_bytes = 2 * batch * ctx * c.kv_heads * c.head_dim * item
+    src = torch.empty(kv_bytes // item, device=c.device, dtype=c.dtype)
     dst = torch.empty_like(src)
 
     def copy() -> None:
@@ -353,22 +359,8 @@ def bench_triton_prefill(
     """Triton prefill: ``seqs`` chunks of ``chunk`` new tokens, each after ``cached`` tokens
     already in the cache (causal). TFLOP/s counts the attention's two products over the keys
     each query sees (``4 x head_dim`` per query head and key)."""
-    from kernels.triton_backend import TritonBackend
-
     c = case or TritonCase()
-    gen = torch.Generator().manual_seed(1)
-    ctx = cached + chunk
-    num_blocks = seqs * ((ctx + c.block_size - 1) // c.block_size) + 16
-    meta = make_metadata([chunk] * seqs, [ctx] * seqs, c.block_size, num_blocks, gen, c.device)
-    k_cache, v_cache = c.caches(num_blocks)
-    query = torch.randn(seqs * chunk, c.heads, c.head_dim, device=c.device, dtype=c.dtype)
-    backend = TritonBackend()
-
-    def run() -> None:
-        backend.paged_attention(query, query, query, k_cache, v_cache, meta, c.head_dim**-0.5)
-        c.sync()
-
-    seconds = median_seconds(run, repeats)
+    seconds = c.time_attention([chunk] * seqs, [cached + chunk] * seqs, repeats)
     keys_seen = seqs * sum(cached + i + 1 for i in range(chunk))  # causal: query i sees i + 1
     flops = 4 * c.head_dim * c.heads * keys_seen
     return {

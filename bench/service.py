@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench.common import emit
-from bench.throughput import Workload, make_mixed, model_numbers
+from bench.throughput import Workload, build_llama, make_mixed, model_numbers
 from pagedserve.client import Client
 from pagedserve.keys import DEFAULT_PREFIX, PREFIX_ENV
 from pagedserve.params import SamplingParams
@@ -52,11 +52,7 @@ MAX_MODEL_LEN = 1024
 
 
 def build_model(preset: str, workdir: Path) -> Path:
-    out = workdir / f"llama-{preset}"
-    cmd = [sys.executable, "-m", "stack", "make-model", "--family", "llama"]
-    subprocess.run([*cmd, "--preset", preset, "--out", str(out)], check=True,
-                   stdout=subprocess.DEVNULL)  # fmt: skip
-    return out
+    return build_llama(workdir / f"llama-{preset}", preset)
 
 
 def pick_model(args: argparse.Namespace, workdir: Path) -> tuple[str, Path]:

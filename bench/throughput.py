@@ -188,11 +188,16 @@ def ensure_model(model: str | None, workdir: Path) -> Path:
         from worker.model_source import resolve_model
 
         return resolve_model(model)
-    out = workdir / "bench-model"
-    # the module, not ``pagedserve make-model``: the CLI imports the service side (redis), which
-    # a GPU host that only runs this benchmark may lack
+    return build_llama(workdir / "bench-model", "bench")
+
+
+def build_llama(out: Path, preset: str) -> Path:
+    """A llama checkpoint of ``preset`` (``worker.make_model``) written to ``out``, in a child
+    process (its torch and tokenizer training stay out of the timed process). The module, not
+    ``pagedserve make-model``: the CLI imports the service side (redis), which a GPU host that
+    only runs the benchmarks may lack."""
     cmd = [sys.executable, "-m", "worker.make_model", "--family", "llama"]
-    subprocess.run([*cmd, "--preset", "bench", "--out", str(out)], check=True, cwd=REPO,
+    subprocess.run([*cmd, "--preset", preset, "--out", str(out)], check=True, cwd=REPO,
                    stdout=subprocess.DEVNULL)  # fmt: skip
     return out
 
