@@ -25,10 +25,28 @@ pytestmark = [
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
+#: Checkpoints and transformers' greedy references built so far in this session: the
+#: parametrized cases share them (each build and each reference run costs device-session time).
+_BUILT: dict[tuple[str, str], Path] = {}
+_REFERENCE: dict[tuple[Path, tuple[int, ...]], list[int]] = {}
+
+
 def _checkpoint(tmp_path_factory: pytest.TempPathFactory, family: str, preset: str) -> Path:
     from worker.make_model import build_checkpoint
 
-    return build_checkpoint(family, preset, tmp_path_factory.mktemp(f"{family}-{preset}"))
+    key = (family, preset)
+    if key not in _BUILT:
+        out = tmp_path_factory.mktemp(f"{family}-{preset}")
+        _BUILT[key] = build_checkpoint(family, preset, out)
+    return _BUILT[key]
+
+
+def _reference(model_dir: Path, prompt: list[int]) -> list[int]:
+    """transformers' 16 greedy tokens for ``prompt`` (computed once per checkpoint and prompt)."""
+    key = (model_dir, tuple(prompt))
+    if key not in _REFERENCE:
+        _REFERENCE[key] = hf_greedy(model_dir, prompt, 16)
+    return _REFERENCE[key]
 
 
 def _prompts() -> list[list[int]]:
@@ -59,9 +77,7 @@ def test_greedy_on_cuda_matches_transformers(
     outs = llm.generate(prompts, GREEDY)
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.error is None
-        assert out.outputs[0].token_ids == hf_greedy(model_dir, prompt, 16), (
-            f"prompt of {len(prompt)}"
-        )
+        assert out.outputs[0].token_ids == _reference(model_dir, prompt), f"prompt of {len(prompt)}"
     stats = llm.engine.stats()
     assert stats.prefix_cache["hit_tokens"] > 0
     if opts["num_kv_blocks"] == 22:
@@ -78,7 +94,7 @@ def test_bench_shape_on_cuda_matches_transformers(tmp_path_factory: pytest.TempP
     prompts = _prompts()
     outs = llm.generate(prompts, GREEDY)
     got = [o.outputs[0].token_ids for o in outs]
-    assert got == [hf_greedy(model_dir, p, 16) for p in prompts]
+    assert got == [_reference(model_dir, p) for p in prompts]
 
 
 def test_bfloat16_on_cuda_runs_parallel_samples(tmp_path_factory: pytest.TempPathFactory) -> None:
