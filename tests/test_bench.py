@@ -273,6 +273,19 @@ def test_inductor_mlp_compares_three_ways_on_the_same_values(
     assert max(got["max_abs_diff"].values()) < 1e-4
 
 
+def test_kernels_inorder_tables_give_each_row_its_own_consecutive_run() -> None:
+    """The consecutive layout of ``bench.kernels``: same shape and dtype, row r's blocks are
+    r*n .. r*n+n-1 (other blocks of the same pool: as many bytes, in runs)."""
+    import torch
+
+    from bench.kernels import inorder_tables
+
+    tables = torch.tensor([[7, 3, 0], [1, 9, 0]], dtype=torch.int32)
+    got = inorder_tables(tables, 2)
+    assert got.dtype == torch.int32 and got.shape == tables.shape and got.is_contiguous()
+    assert got.tolist() == [[0, 1, 0], [2, 3, 0]]
+
+
 def test_kernels_decode_runs_at_other_head_shapes() -> None:
     """``bench.kernels --shapes``: the decode row at a GQA 3 shape (SmolLM2's), with its
     bandwidth figures; malformed shapes are refused."""
@@ -285,6 +298,7 @@ def test_kernels_decode_runs_at_other_head_shapes() -> None:
     assert got.kv_gbps > 0 and got.read_gbps > 0
     assert got.cold_kv_gbps > 0 and got.cold_read_gbps > 0
     assert got.cold_blocks_read_gbps > 0  # the C kernel builds wherever the suite runs
+    assert got.cold_inorder_kv_gbps > 0
 
     def rounded(*gbps: float) -> float:
         """Relative error of a ratio of figures rounded to 2 decimals (small figures on a loaded
@@ -299,6 +313,10 @@ def test_kernels_decode_runs_at_other_head_shapes() -> None:
     assert got.cold_fraction_of_read == pytest.approx(kv / read, rel=rounded(kv, read), abs=2e-3)
     assert got.cold_fraction_of_blocks_read == pytest.approx(
         kv / blocks, rel=rounded(kv, blocks), abs=2e-3
+    )
+    inorder = got.cold_inorder_kv_gbps
+    assert got.inorder_over_scattered == pytest.approx(
+        inorder / kv, rel=rounded(inorder, kv), abs=2e-3
     )
     with pytest.raises(argparse.ArgumentTypeError):
         HeadShape.parse("9/4/64")
