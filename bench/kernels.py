@@ -143,9 +143,10 @@ def inorder_tables(tables: torch.Tensor, blocks_per_row: int) -> torch.Tensor:
     blocks of the pool, row after row.
 
     Why both layouts: the random one (:func:`kernels.testing.make_metadata`) is what a worker's
-    tables look like once its pool has turned over (the engine on the ``mixed`` workload, bench
-    model, a 2,500-block pool: 54% of consecutive table entries adjacent in the first wave, 19%
-    from the fourth on; bench/README.md), so it is the headline figure; the consecutive one
+    tables look like once its pool has turned over (``bench.kv_layout``: the engine on five
+    waves of the ``mixed`` workload, bench model, a 1,320-block pool: 54% of consecutive table
+    entries adjacent in the first wave, 2-4% from the fourth on), so it is the headline figure;
+    the consecutive one
     tells how much of the gap to the read is the scatter (the hardware prefetchers restart at
     every block) rather than the kernel's own work."""
     rows = tables.shape[0]

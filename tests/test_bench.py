@@ -361,3 +361,40 @@ def test_service_bench_warms_every_system_then_times_rounds(
     assert 0 < engine < wall and 0 <= own < wall
     (offline,) = rec["offline_wall_s_rounds"]
     assert rec["service_engine_over_offline_wall"] == pytest.approx(engine / offline, rel=0.02)
+
+
+def test_kv_layout_bench_counts_layouts_times_them_and_reuses_chats(
+    tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``bench.kv_layout`` on the tiny checkpoint: adjacency per wave (shares of every pair),
+    the decode kernel over the engine's, consecutive and random layouts of the same rows, and
+    the chats' prefix hits (the second turn extends the first turn's prompts: hits)."""
+    from bench import kv_layout
+
+    args = ["--model", str(tiny_model_dir), "--waves", "2", "--requests", "12", "--pool-mib", "8"]
+    kv_layout.main([*args, "--shapes", "9/3/64", "--chats", "4", "--turns", "2", "--repeats", "1"])
+    rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rec["bench"] == "kv_layout" and rec["pool_blocks"] > 0
+    assert len(rec["waves"]) == 2
+    for wave in rec["waves"]:
+        assert wave["pairs"] > 0
+        parts = wave["adjacent"] + wave["descending"] + wave["scattered"]
+        assert parts == pytest.approx(1.0, abs=2e-3)
+    (dec,) = rec["decode"]
+    assert dec["shape"] == "9/3/64" and dec["rows"] > 0
+    assert set(dec["gbps"]) == {"engine", "in_order", "random", "read"}
+    assert min(dec["gbps"].values()) > 0
+    first, second = rec["chat_hit_rate"]
+    assert first == 0.0 and 0 < second <= 1
+
+
+def test_kv_layout_counts_adjacency_and_builds_same_length_layouts() -> None:
+    from bench.kv_layout import adjacency, layouts
+
+    got = adjacency([[4, 5, 6, 2, 1], [9]])
+    assert got == {"adjacent": 2, "descending": 1, "scattered": 1}
+    sets = layouts([([7, 3], 20), ([5], 0), ([8, 1, 2], 40)], num_blocks=16)
+    assert [n for _, n in sets["in_order"]] == [20, 40] == [n for _, n in sets["random"]]
+    assert sets["in_order"][0][0] == [0, 1] and sets["in_order"][1][0] == [2, 3, 4]
+    picked = [b for t, _ in sets["random"] for b in t]
+    assert len(picked) == 5 == len(set(picked)) and all(0 <= b < 16 for b in picked)
