@@ -11,6 +11,8 @@ allocator moves both, so this benchmark measures both, on the real engine:
   (``--pool-mib``), so that the pool turns over; every 8 steps, the running tables' consecutive
   entries are counted as ``adjacent`` (the next block), ``descending`` (the previous one) or
   ``scattered``. The first wave is a fresh pool; the last ones the steady state of a worker.
+  ``prefixes_moved``: cached prefixes moved so far to let a table take its next block
+  (``BlockPool.allocate_after``), each a block copy.
 * ``decode``: the C decode kernel, per head shape (``--shapes``), over the tables of the last
   wave's busiest sampled step (``engine``), the same rows laid out in consecutive blocks
   (``in_order``) and at random (``random``), from DRAM (``bench.kernels.cold_gbps``), beside a
@@ -79,7 +81,8 @@ def run_waves(engine: Any, waves: int, requests: int, vocab: int) -> tuple[list[
             counts += adjacency([s.block_table for s in sched.running])
             if wave == waves - 1 and len(sched.running) > len(busiest):
                 busiest = [(list(s.block_table), s.num_computed) for s in sched.running]
-        out.append(shares(counts))
+        moved = getattr(sched.pool, "prefixes_moved", 0)  # (a tree without the moves: 0)
+        out.append(shares(counts) | {"prefixes_moved": moved})
     return out, busiest
 
 

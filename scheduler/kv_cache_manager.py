@@ -61,8 +61,11 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
-    def admit(self, seq: Sequence, hits: list[int], num_new_blocks: int) -> None:
-        """Give a waiting sequence its cached prefix blocks plus ``num_new_blocks`` fresh ones.
+    def admit(
+        self, seq: Sequence, hits: list[int], num_new_blocks: int, copies: list[tuple[int, int]]
+    ) -> None:
+        """Give a waiting sequence its cached prefix blocks plus ``num_new_blocks`` fresh ones,
+        each after the one before where the pool allows (``copies``: the step's block copies).
 
         The caller has checked that the pool holds enough free blocks.
         """
@@ -73,7 +76,8 @@ class KVCacheManager:
         n_cached = len(hits) * self.block_size
         seq.num_registered = len(hits)
         seq.block_table = hits
-        seq.block_table.extend(pool.allocate_many(num_new_blocks) or [])
+        fresh = pool.allocate_many(num_new_blocks, hits[-1] if hits else -1, copies)
+        seq.block_table.extend(fresh or [])
         seq.num_computed = n_cached
         seq.synced_blocks = 0
         if not seq.admitted_once:
@@ -100,7 +104,8 @@ class KVCacheManager:
             if seq.synced_blocks > idx:
                 seq.synced_blocks = idx
         for _ in range(need):
-            table.append(pool.allocate())  # type: ignore[arg-type]
+            block = pool.allocate_after(table[-1], copies) if table else pool.allocate()
+            table.append(block)  # type: ignore[arg-type]
         return True
 
     def emit(self, seq: Sequence, n: int) -> ScheduledSequence:

@@ -216,6 +216,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(released_seq_ids=self._released)
         self._released = []
+        self.pool.new_step()
         budget = self.config.max_num_batched_tokens
         self._preempt_for_priority(budget)
         preempted = self._schedule_running(out, budget)
@@ -311,7 +312,7 @@ class Scheduler:
                     continue
                 break
             self.waiting[seq.priority].popleft()
-            self.kv.admit(seq, hits, new_blocks)
+            self.kv.admit(seq, hits, new_blocks, out.block_copies)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.sort_key)
             out.scheduled.append(self.kv.emit(seq, n))

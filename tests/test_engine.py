@@ -374,3 +374,43 @@ def test_the_direct_decoder_renders_what_the_tokenizer_decodes(
                     for _ in range(200)]  # fmt: skip
         for w in windows:
             assert fast(w) == tok.decode(w, skip_special_tokens=skip), w
+
+
+def test_moved_prefixes_keep_their_kv_when_tables_grow_in_place(make_tiny_model) -> None:
+    """Turns of conversations in two groups on a small pool: a growing table takes the block
+    after its last one, moving the prefix that block cached (the other group's history) into the
+    block at the front of the free queue (``BlockPool.allocate_after``). The other group's next
+    turn then reads its history from the moved blocks: greedy tokens still equal transformers'."""
+    model_dir = make_tiny_model("llama")
+    llm = LLM(model_dir, block_size=8, num_kv_blocks=40, max_num_batched_tokens=64)
+    pool = llm.engine.scheduler.pool
+    moved: set[int] = set()
+    hit_moved: set[int] = set()
+    move_prefix, acquire = pool._move_prefix, pool.acquire
+
+    def spy_move(src: int, dst: int, copies: list[tuple[int, int]]) -> None:
+        moved.add(dst)
+        move_prefix(src, dst, copies)
+
+    def spy_acquire(block: int) -> None:
+        if block in moved:
+            hit_moved.add(block)
+        acquire(block)
+
+    pool._move_prefix, pool.acquire = spy_move, spy_acquire  # record, then do the real work
+    rng = random.Random(3)
+    groups = [random_prompts(11, 3, 8, 30), random_prompts(12, 3, 8, 30)]
+    for _turn in range(4):
+        for g, prompts in enumerate(groups):
+            outs = llm.generate(prompts, GREEDY)
+            for prompt, out in zip(prompts, outs, strict=True):
+                assert out.outputs[0].token_ids == hf_greedy(model_dir, prompt, 12)
+            groups[g] = [
+                p
+                + o.outputs[0].token_ids
+                + [rng.randrange(5, 500) for _ in range(rng.randint(2, 6))]
+                for p, o in zip(prompts, outs, strict=True)
+            ]
+    assert pool.prefixes_moved > 0 and hit_moved, "a moved prefix was read by a later turn"
+    assert llm.engine.stats().prefix_cache["hit_tokens"] > 0
+    assert llm.engine.occupancy().in_use == 0

@@ -71,22 +71,33 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule(tokens=st.lists(st.integers(min_value=0, max_value=3), min_size=1, max_size=6))
     def step(self, tokens: list[int]) -> None:
+        moves_before = self.sched.pool.prefixes_moved
         out = self.sched.schedule()
         for seq_id in out.released_seq_ids + out.preempted_seq_ids:
             self.runner_tables.pop(seq_id, None)
-        # copy-on-write before the forward pass, as the runner does
+        # Block copies (copy-on-write, moved prefixes) before the forward pass, as the runner
+        # makes them: every source read first, then every destination written (one gather and
+        # one scatter), so a chain of copies in one step would show here.
         bs = self.sched.block_size
-        for src, dst in out.block_copies:
-            for off in range(bs):
-                if src * bs + off in self.shadow:
-                    self.shadow[dst * bs + off] = self.shadow[src * bs + off]
-                else:
-                    self.shadow.pop(dst * bs + off, None)
+        dsts = [dst for _, dst in out.block_copies]
+        assert len(set(dsts)) == len(dsts), "two copies into one block"
+        copied = {
+            dst * bs + off: self.shadow.get(src * bs + off)
+            for src, dst in out.block_copies
+            for off in range(bs)
+        }
+        for slot, held in copied.items():
+            if held is None:
+                self.shadow.pop(slot, None)
+            else:
+                self.shadow[slot] = held
         # Coverage markers (pytest --hypothesis-show-statistics shows how often each occurs).
         if out.preempted_seq_ids:
             event("preemption")
         if out.block_copies:
-            event("copy-on-write")
+            event("block copy")
+        if self.sched.pool.prefixes_moved > moves_before:
+            event("prefix moved to take the next block")
         if any(s.block_offset == 0 and s.start_pos > 0 for s in out.scheduled):
             event("prefix-cache hit or resume")
         if any(not s.sample for s in out.scheduled):
@@ -170,6 +181,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         occ = self.sched.occupancy()
         assert occ.tokens_stored == sum(fill.values())
         assert occ.fragmentation_slots == occ.in_use * bs - occ.tokens_stored
+
+    @invariant()
+    def prefix_table_is_consistent(self) -> None:
+        """Every cached hash names a block that holds it, and only those blocks are marked
+        (``BlockPool.allocate_after`` moves prefixes between blocks)."""
+        pool = self.sched.pool
+        for block_hash, block in pool._cached.items():
+            assert pool._hash_of[block] == block_hash and pool._hashed[block] == 1
+            assert pool._tokens_of[block] is not None
+        assert sum(pool._hashed) == len(pool._cached)
+        assert sum(h is not None for h in pool._hash_of) == len(pool._cached)
 
     @invariant()
     def ref_counts_match_tables(self) -> None:
