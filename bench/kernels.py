@@ -142,11 +142,11 @@ def inorder_tables(tables: torch.Tensor, blocks_per_row: int) -> torch.Tensor:
     """Block tables shaped like ``tables`` whose rows each take ``blocks_per_row`` consecutive
     blocks of the pool, row after row.
 
-    Why both layouts: the random one (:func:`kernels.testing.make_metadata`) is what a worker's
-    tables look like once its pool has turned over (``bench.kv_layout``: the engine on five
-    waves of the ``mixed`` workload, bench model, a 1,320-block pool: 54% of consecutive table
-    entries adjacent in the first wave, 2-4% from the fourth on), so it is the headline figure;
-    the consecutive one
+    Why both layouts: the random one (:func:`kernels.testing.make_metadata`) is the worst case
+    and what a worker's tables looked like once its pool had turned over before tables grew in
+    place (``bench.kv_layout``: the engine on five waves of the ``mixed`` workload, bench model,
+    a 1,320-block pool: 2-4% of consecutive table entries adjacent from the fourth wave on; 43-45%
+    since, plus 16-18% descending), so it stays the headline figure; the consecutive one
     tells how much of the gap to the read is the scatter (the hardware prefetchers restart at
     every block) rather than the kernel's own work."""
     rows = tables.shape[0]
