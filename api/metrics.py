@@ -132,6 +132,15 @@ def prefix_series(views: list[WorkerView]) -> Iterator[Metric]:
     for w in views:
         groups.add_metric([w.hb.worker_id], sum(1 for g in w.hb.prefixes if g.blocks > 0))
     yield groups
+    moved = CounterMetricFamily(
+        P + "prefix_cache_moved_blocks",
+        "Cached prefixes moved into another block (one block copy each) so that a sequence's "
+        "table could grow into the block after its last one, since the worker started.",
+        labels=["worker"],
+    )
+    for w in views:
+        moved.add_metric([w.hb.worker_id], w.hb.prefix_cache.moved_blocks)
+    yield moved
 
 
 def child_restarts(state: AppState) -> CounterMetricFamily:

@@ -81,7 +81,7 @@ def run_waves(engine: Any, waves: int, requests: int, vocab: int) -> tuple[list[
             counts += adjacency([s.block_table for s in sched.running])
             if wave == waves - 1 and len(sched.running) > len(busiest):
                 busiest = [(list(s.block_table), s.num_computed) for s in sched.running]
-        moved = getattr(sched.pool, "prefixes_moved", 0)  # (a tree without the moves: 0)
+        moved = getattr(sched.pool.stats, "moved_blocks", 0)  # (a tree without the moves: 0)
         out.append(shares(counts) | {"prefixes_moved": moved})
     return out, busiest
 

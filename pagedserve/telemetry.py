@@ -63,6 +63,7 @@ class PrefixCacheSnapshot(BaseModel):
     queried_blocks: int = 0
     hit_blocks: int = 0
     hit_rate: float = 0.0
+    moved_blocks: int = 0  # prefixes moved so that a table could grow in place (block copies)
 
 
 class PrefixGroup(BaseModel):

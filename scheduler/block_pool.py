@@ -63,6 +63,9 @@ class PrefixCacheStats:
     hit_tokens: int = 0
     queried_blocks: int = 0
     hit_blocks: int = 0
+    #: Cached prefixes moved into another block so that a table could take the block after its
+    #: last one (``BlockPool.allocate_after``): one block copy each.
+    moved_blocks: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -130,7 +133,6 @@ class BlockPool:
         #: step's copy list they were added to. Cleared by :meth:`new_step`.
         self._moved_to: dict[int, int] = {}
         self._copies: list[tuple[int, int]] = []
-        self.prefixes_moved = 0
         self.stats = PrefixCacheStats()
 
     # ----------------------------------------------------------------- queries
@@ -198,7 +200,7 @@ class BlockPool:
         copies.append((src, dst))
         self._moved_to[dst] = src
         self._copies = copies
-        self.prefixes_moved += 1
+        self.stats.moved_blocks += 1
 
     def new_step(self) -> None:
         """Forget the last step's prefix moves (their copies are made before its forward)."""

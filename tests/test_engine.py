@@ -411,6 +411,7 @@ def test_moved_prefixes_keep_their_kv_when_tables_grow_in_place(make_tiny_model)
                 + [rng.randrange(5, 500) for _ in range(rng.randint(2, 6))]
                 for p, o in zip(prompts, outs, strict=True)
             ]
-    assert pool.prefixes_moved > 0 and hit_moved, "a moved prefix was read by a later turn"
-    assert llm.engine.stats().prefix_cache["hit_tokens"] > 0
+    assert pool.stats.moved_blocks > 0 and hit_moved, "a moved prefix was read by a later turn"
+    stats = llm.engine.stats().prefix_cache
+    assert stats["hit_tokens"] > 0 and stats["moved_blocks"] == pool.stats.moved_blocks
     assert llm.engine.occupancy().in_use == 0

@@ -408,6 +408,10 @@ def test_pool_and_metrics_show_cached_prefixes(
     assert len(ratio) == 1 and float(ratio[0].split()[-1]) > 0.5
     assert "pagedserve:prefix_cache_hit_ratio_fleet " in text
     assert 'pagedserve:prefix_groups_cached{worker="w"} 2.0' in text
+    moved = [ln for ln in text.splitlines() if ln.startswith("pagedserve:prefix_cache_moved_")]
+    assert len(moved) == 1 and moved[0].startswith(
+        'pagedserve:prefix_cache_moved_blocks_total{worker="w"}'
+    )  # its count is checked against the pool in tests/test_engine.py
 
 
 def test_bench_quick_run(model_dir: Path) -> None:

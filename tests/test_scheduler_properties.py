@@ -71,7 +71,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule(tokens=st.lists(st.integers(min_value=0, max_value=3), min_size=1, max_size=6))
     def step(self, tokens: list[int]) -> None:
-        moves_before = self.sched.pool.prefixes_moved
+        moves_before = self.sched.pool.stats.moved_blocks
         out = self.sched.schedule()
         for seq_id in out.released_seq_ids + out.preempted_seq_ids:
             self.runner_tables.pop(seq_id, None)
@@ -96,7 +96,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             event("preemption")
         if out.block_copies:
             event("block copy")
-        if self.sched.pool.prefixes_moved > moves_before:
+        if self.sched.pool.stats.moved_blocks > moves_before:
             event("prefix moved to take the next block")
         if any(s.block_offset == 0 and s.start_pos > 0 for s in out.scheduled):
             event("prefix-cache hit or resume")

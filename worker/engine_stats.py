@@ -94,6 +94,7 @@ def prefix_cache_snapshot(s: Scheduler) -> PrefixCacheSnapshot:
         queried_blocks=ps.queried_blocks,
         hit_blocks=ps.hit_blocks,
         hit_rate=ps.hit_rate,
+        moved_blocks=ps.moved_blocks,
     )
 
 
