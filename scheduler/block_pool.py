@@ -208,19 +208,15 @@ class BlockPool:
             self._moved_to = {}
             self._copies = []
 
-    def allocate_many(
-        self, n: int, after: int = -1, copies: list[tuple[int, int]] | None = None
-    ) -> list[int] | None:
-        """``n`` blocks; with ``copies``, each the one after the block before it where it can
-        be had (:meth:`allocate_after`; the first: after ``after``, if that is a block)."""
+    def allocate_many(self, n: int, after: int, copies: list[tuple[int, int]]) -> list[int] | None:
+        """``n`` blocks, each the one after the block before it where it can be had
+        (:meth:`allocate_after`; the first: after block ``after``, none if it is -1)."""
         if n > len(self._free):
             return None
-        if copies is None:
-            return [self.allocate() for _ in range(n)]  # type: ignore[misc]
         blocks: list[int] = []
         for _ in range(n):
             block = self.allocate() if after < 0 else self.allocate_after(after, copies)
-            blocks.append(block)  # type: ignore[arg-type]
+            blocks.append(block)  # type: ignore[arg-type]  (n free blocks: never None)
             after = block  # type: ignore[assignment]
         return blocks
 

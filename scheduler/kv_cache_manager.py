@@ -103,9 +103,8 @@ class KVCacheManager:
             copies.append((src, dst))
             if seq.synced_blocks > idx:
                 seq.synced_blocks = idx
-        for _ in range(need):
-            block = pool.allocate_after(table[-1], copies) if table else pool.allocate()
-            table.append(block)  # type: ignore[arg-type]
+        if need > 0:
+            table.extend(pool.allocate_many(need, table[-1] if table else -1, copies) or [])
         return True
 
     def emit(self, seq: Sequence, n: int) -> ScheduledSequence:
