@@ -212,8 +212,7 @@ def bench_decode(
     cold_fns = {"kv": attention(backend), "read": src.sum}
     kernel = native_kernel.load()
     if kernel is not None:
-        every = torch.arange(batch)
-        rows = DecodeRows(every, every, torch.zeros_like(every), torch.full((batch,), ctx))
+        rows = DecodeRows.whole(torch.full((batch,), ctx))
         tables = meta.block_tables.to(torch.int32).contiguous()
         cold_fns["blocks"] = lambda: kernel.read_blocks(k_cache, v_cache, tables, rows)
         inorder = inorder_tables(tables, (ctx + BLOCK_SIZE - 1) // BLOCK_SIZE)

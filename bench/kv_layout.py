@@ -40,7 +40,7 @@ import torch
 
 from bench.common import emit
 from bench.kernels import BLOCK_SIZE, HeadShape, cold_gbps
-from bench.throughput import build_llama, make_mixed, random_ids
+from bench.throughput import build_llama, make_mixed, params_of, random_ids
 from pagedserve.params import SamplingParams
 
 Tables = list[tuple[list[int], int]]  # (block table, tokens in it) per running sequence
@@ -66,11 +66,9 @@ def run_waves(engine: Any, waves: int, requests: int, vocab: int) -> tuple[list[
     busiest sampled tables."""
     sched, steps, out = engine.scheduler, 0, []
     busiest: Tables = []
-    greedy = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     for wave in range(waves):
         wl = make_mixed(requests, vocab, seed=wave)
-        for i, (prompt, n) in enumerate(zip(wl.prompts, wl.max_tokens, strict=True)):
-            params = greedy.model_copy(update={"max_tokens": n})
+        for i, (prompt, params) in enumerate(zip(wl.prompts, params_of(wl), strict=True)):
             engine.add_request(f"w{wave}-{i}", prompt, params, stream=False)
         counts: Counter[str] = Counter()
         while engine.has_unfinished():
@@ -116,8 +114,7 @@ def time_decode(sets: dict[str, Tables], num_blocks: int, shape: HeadShape, repe
     v_cache = torch.randn((num_blocks, BLOCK_SIZE, KV, D), generator=gen)
     lens = [n for _, n in sets["engine"]]
     n_rows, width = len(lens), max(len(t) for t, _ in sets["engine"])
-    every = torch.arange(n_rows)
-    rows = DecodeRows(every, every, torch.zeros_like(every), torch.tensor(lens))
+    rows = DecodeRows.whole(torch.tensor(lens))
     query = torch.randn(n_rows, H, D, generator=gen)
     out, lse = torch.empty_like(query), torch.empty(n_rows, H)
     fns = {}
@@ -203,6 +200,7 @@ def main(argv: list[str] | None = None) -> None:
         vocab = min(engine.tokenizer.vocab_size, 4096)
         waves, tables = run_waves(engine, args.waves, args.requests, vocab)
         num_blocks = engine.scheduler.pool.num_blocks
+        del engine  # its pool: the chats get a fresh engine of their own
         sets = layouts(tables, num_blocks)
         shapes = [HeadShape.parse(x) for x in args.shapes.split(",") if x]
         decode = [time_decode(sets, num_blocks, s, args.repeats) for s in shapes]

@@ -29,6 +29,7 @@ from bench.throughput import (
     make_shared_prefix,
     make_uniform,
     model_numbers,
+    params_of,
 )
 
 TOTALS: dict[str, float] = defaultdict(float)
@@ -138,7 +139,7 @@ def run_workload(model: Path, workload: str, requests: int, vocab: int) -> tuple
     llm.generate([[10, 11, 12, 13]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     for acc in (TOTALS, CALLS, LINEAR_S, LINEAR_FLOPS):
         acc.clear()
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in wl.max_tokens]
+    params = params_of(wl)
     t0 = time.perf_counter()
     llm.generate([{"prompt_token_ids": p} for p in wl.prompts], params, use_tqdm=False)
     return time.perf_counter() - t0, wl.prompt_tokens, wl.output_tokens

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench.common import emit
-from bench.throughput import Workload, build_llama, make_mixed, model_numbers
+from bench.throughput import Workload, build_llama, make_mixed, model_numbers, params_of
 from pagedserve.client import Client
 from pagedserve.keys import DEFAULT_PREFIX, PREFIX_ENV
 from pagedserve.params import SamplingParams
@@ -80,10 +80,6 @@ def engine_options(args: argparse.Namespace) -> list[str]:
         "--device", args.device,
         "--dtype", args.dtype,
     ]  # fmt: skip
-
-
-def params_of(wl: Workload) -> list[SamplingParams]:
-    return [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in wl.max_tokens]
 
 
 def offline_engine(model: Path, args: argparse.Namespace) -> Engine:

@@ -101,6 +101,13 @@ class Workload:
 
 
 # ------------------------------------------------------------------------------- workloads
+def params_of(wl: Workload) -> list[Any]:
+    """Each request's greedy ``SamplingParams`` (EOS ignored: exactly ``max_tokens`` tokens)."""
+    from pagedserve.params import SamplingParams
+
+    return [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in wl.max_tokens]
+
+
 def random_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(8, vocab) for _ in range(n)]  # skip the special tokens at the bottom
 

@@ -133,6 +133,12 @@ class DecodeRows:
     def num_rows(self) -> int:
         return int(self.token_rows.shape[0])
 
+    @classmethod
+    def whole(cls, seq_lens: torch.Tensor) -> DecodeRows:
+        """Row i: query row i, table row i, read from its first block (benchmarks' batches)."""
+        every = torch.arange(seq_lens.shape[0])
+        return cls(every, every, torch.zeros_like(every), seq_lens)
+
     def then(self, other: DecodeRows) -> DecodeRows:
         """These rows followed by ``other``'s."""
         return DecodeRows(
