@@ -9,6 +9,7 @@ bfloat16 rounding differs between any two implementations).
 
 from __future__ import annotations
 
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -25,10 +26,9 @@ pytestmark = [
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
-#: Checkpoints and transformers' greedy references built so far in this session: the
-#: parametrized cases share them (each build and each reference run costs device-session time).
+#: Checkpoints built so far in this session: the parametrized cases share them, as they share
+#: transformers' references (:func:`_reference`); each costs device-session time.
 _BUILT: dict[tuple[str, str], Path] = {}
-_REFERENCE: dict[tuple[Path, tuple[int, ...]], list[int]] = {}
 
 
 def _checkpoint(tmp_path_factory: pytest.TempPathFactory, family: str, preset: str) -> Path:
@@ -41,12 +41,10 @@ def _checkpoint(tmp_path_factory: pytest.TempPathFactory, family: str, preset: s
     return _BUILT[key]
 
 
-def _reference(model_dir: Path, prompt: list[int]) -> list[int]:
+@cache
+def _reference(model_dir: Path, prompt: tuple[int, ...]) -> list[int]:
     """transformers' 16 greedy tokens for ``prompt`` (computed once per checkpoint and prompt)."""
-    key = (model_dir, tuple(prompt))
-    if key not in _REFERENCE:
-        _REFERENCE[key] = hf_greedy(model_dir, prompt, 16)
-    return _REFERENCE[key]
+    return hf_greedy(model_dir, list(prompt), 16)
 
 
 def _prompts() -> list[list[int]]:
@@ -77,7 +75,8 @@ def test_greedy_on_cuda_matches_transformers(
     outs = llm.generate(prompts, GREEDY)
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.error is None
-        assert out.outputs[0].token_ids == _reference(model_dir, prompt), f"prompt of {len(prompt)}"
+        want = _reference(model_dir, tuple(prompt))
+        assert out.outputs[0].token_ids == want, f"prompt of {len(prompt)}"
     stats = llm.engine.stats()
     assert stats.prefix_cache["hit_tokens"] > 0
     if opts["num_kv_blocks"] == 22:
@@ -94,7 +93,7 @@ def test_bench_shape_on_cuda_matches_transformers(tmp_path_factory: pytest.TempP
     prompts = _prompts()
     outs = llm.generate(prompts, GREEDY)
     got = [o.outputs[0].token_ids for o in outs]
-    assert got == [_reference(model_dir, p) for p in prompts]
+    assert got == [_reference(model_dir, tuple(p)) for p in prompts]
 
 
 def test_bfloat16_on_cuda_runs_parallel_samples(tmp_path_factory: pytest.TempPathFactory) -> None:
