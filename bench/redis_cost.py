@@ -146,6 +146,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-cache-memory", type=int, default=256 << 20)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--device", default="cpu", help="cpu | cuda[:n] (the worker's)")
+    ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     ap.add_argument("--progress-intervals-ms", default="50,200")
     args = ap.parse_args(argv)
     intervals = [float(x) for x in args.progress_intervals_ms.split(",") if x.strip()]

@@ -363,6 +363,26 @@ def test_service_bench_warms_every_system_then_times_rounds(
     assert rec["service_engine_over_offline_wall"] == pytest.approx(engine / offline, rel=0.02)
 
 
+def test_redis_cost_counts_what_a_real_worker_asks_of_redis(
+    tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``bench.redis_cost``: a real worker on its own redis-server runs the jobs; the server's
+    own counters (commands, bytes, CPU) before and after give the cost per job and per token.
+    (It had stopped starting its worker when ``bench.service`` grew ``--device``/``--dtype``.)"""
+    from bench import redis_cost
+
+    redis_cost.main(["--model", str(tiny_model_dir), "--requests", "4",
+                     "--progress-intervals-ms", "200"])  # fmt: skip
+    rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    (run,) = rec["runs"]
+    assert rec["requests"] == 4 and run["progress_interval_ms"] == 200.0
+    # every job was enqueued (at least its stream entry and its hash) and then served
+    assert run["enqueue_commands_per_job"] >= 2 and run["commands_per_job"] > 0
+    assert run["steps"] > 0 and run["output_tok_s"] > 0
+    assert sum(run["top_commands"].values()) <= run["commands_per_job"] * 4 + 1e-6
+    assert run["redis_cpu_us_per_token"] > 0 and run["workers_to_saturate"] > 0
+
+
 def test_kv_layout_bench_counts_layouts_times_them_and_reuses_chats(
     tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
