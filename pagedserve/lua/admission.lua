@@ -233,14 +233,13 @@ for k, it in ipairs(items) do  -- (5) help other workers' groups
   end
 end
 
+-- Only the groups this round took jobs of (or piloted) are written: the worker's heartbeat
+-- (affinity.lua) extends every group it keeps, once a beat. Extending all its warm groups here
+-- too, every round, was a third of a worker's Redis commands at fast steps (bench.redis_cost:
+-- ~25 ZADD per job when every job had its own prefix) and extended nothing the beat did not.
 for s in pairs(touched) do
   redis.call('HSET', aff, s, me .. '|' .. now)
   redis.call('ZADD', exp, now + ttl, s)
-end
-for _, s in ipairs(sigs) do
-  if owner[s] == me and not touched[s] and (warm[s] or warming[s]) then
-    redis.call('ZADD', exp, now + ttl, s)
-  end
 end
 
 local out, ids = {}, {}
