@@ -28,11 +28,15 @@ local function progress_one(job, events, fence, tokens, index, text, ids, maxlen
   end
   redis.call('XADD', events, 'MAXLEN', '~', maxlen, '*', 'type', 'delta', 'index', index,
     'text', text, 'token_ids', ids, 'tokens', tokens)
-  redis.call('HSET', job, 'tokens_generated', tokens)
   if upto > 0 then
-    redis.call('HSET', job, done, fence .. ':' .. upto_s)
+    redis.call('HSET', job, 'tokens_generated', tokens, done, fence .. ':' .. upto_s)
+  else
+    redis.call('HSET', job, 'tokens_generated', tokens)
   end
-  redis.call('HSETNX', job, 'first_token_at', now_s())
+  -- (HEXISTS first: now_s() is a TIME call, needed by a job's first update only)
+  if redis.call('HEXISTS', job, 'first_token_at') == 0 then
+    redis.call('HSET', job, 'first_token_at', now_s())
+  end
   return 1
 end
 
