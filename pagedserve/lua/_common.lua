@@ -47,16 +47,17 @@ local function idem_error(job)
   return redis.error_reply('ERR idempotency key of ' .. job .. ' not the one given')
 end
 
--- True when `fence` is the job's current lease and the job is still owned by a worker.
-local function holds(job, fence)
-  local cur = redis.call('HMGET', job, 'fence', 'status')
+-- True when `fence` is the job's current lease and the job is still owned by a worker; then
+-- also its status and the values of the fields named after the fence (one HMGET in all).
+local function holds(job, fence, ...)
+  local cur = redis.call('HMGET', job, 'fence', 'status', ...)
   if not cur[2] then
     return false, 'missing'
   end
   if cur[1] ~= fence or (cur[2] ~= 'running' and cur[2] ~= 'cancelling') then
     return false, 'stale'
   end
-  return true, cur[2]
+  return true, cur[2], cur[3], cur[4]
 end
 
 -- The server-owned batch fields of a job record (written by the fan-out through enqueue.lua).

@@ -12,31 +12,31 @@
 -- Returns one reply a job, in order: 1 written (or already) | 0 refused (lease lost) | the error
 -- Redis raised for that job (caught here: the other jobs' updates go on).
 local function progress_one(job, events, fence, tokens, index, text, ids, maxlen, upto_s)
-  if not holds(job, fence) then
+  local done = 'pub:' .. index
+  -- the fence check, whether the job has its first token time, and this delta's mark: one read
+  local ok, _, first_at, seen = holds(job, fence, 'first_token_at', done)
+  if not ok then
     return 0
   end
-  local done = 'pub:' .. index
   local upto = tonumber(upto_s or '0')
-  if upto > 0 then
-    local seen = redis.call('HGET', job, done)
-    if seen then
-      local f, prev = string.match(seen, '^(%d+):(%d+)$')
-      if f == fence and tonumber(prev) >= upto then
-        return 1
-      end
+  if upto > 0 and seen then
+    local f, prev = string.match(seen, '^(%d+):(%d+)$')
+    if f == fence and tonumber(prev) >= upto then
+      return 1
     end
   end
   redis.call('XADD', events, 'MAXLEN', '~', maxlen, '*', 'type', 'delta', 'index', index,
     'text', text, 'token_ids', ids, 'tokens', tokens)
+  local fields = {'tokens_generated', tokens}
   if upto > 0 then
-    redis.call('HSET', job, 'tokens_generated', tokens, done, fence .. ':' .. upto_s)
-  else
-    redis.call('HSET', job, 'tokens_generated', tokens)
+    fields[#fields + 1] = done
+    fields[#fields + 1] = fence .. ':' .. upto_s
   end
-  -- (HEXISTS first: now_s() is a TIME call, needed by a job's first update only)
-  if redis.call('HEXISTS', job, 'first_token_at') == 0 then
-    redis.call('HSET', job, 'first_token_at', now_s())
+  if not first_at then  -- now_s() is a TIME call: a job's first update only
+    fields[#fields + 1] = 'first_token_at'
+    fields[#fields + 1] = now_s()
   end
+  redis.call('HSET', job, unpack(fields))
   return 1
 end
 
