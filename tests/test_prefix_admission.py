@@ -234,6 +234,27 @@ def test_affinity_lapses_when_its_worker_stops_refreshing(redis_url: str) -> Non
     assert store.affinities() == {sa: "B"}
 
 
+def test_a_heartbeat_extends_and_drops_only_its_own_affinities(redis_url: str) -> None:
+    """affinity.lua over many signatures at once (one HMGET, chunked writes): kept ones of this
+    worker last longer, dropped ones go, another worker's are reported and left alone."""
+    store = JobStore(redis_url)
+    pre = prefixes(2)
+    sa, sb = sig_of(pre[0]), sig_of(pre[1])
+    enqueue(store, "aabb", pre)
+    assert admit(store, "A", 1)[1] == [sa]
+    assert admit(store, "B", 1)[1] == [sb]
+    exp = store.keys.affinity_expiry
+    before = store.r.zscore(exp, sa)
+    unknown = [f"nosuch{i}" for i in range(2500)]  # more than one chunk of each command
+    time.sleep(0.01)
+    assert store.refresh_affinity("A", [*unknown, sa, sb], [], 60_000) == [sb]
+    assert store.r.zscore(exp, sa) > before
+    assert store.affinities() == {sa: "A", sb: "B"}
+    assert store.refresh_affinity("A", [], [sa, sb, *unknown], 60_000) == []
+    assert store.affinities() == {sb: "B"}  # A's went, B's stayed
+    assert store.r.zscore(exp, sa) is None and store.r.zscore(exp, sb) is not None
+
+
 def test_a_group_whose_owner_is_busy_moves_after_the_steal_bound(redis_url: str) -> None:
     store = JobStore(redis_url)
     pre = prefixes(1)
