@@ -134,6 +134,10 @@ class BlockPool:
         self._moved_to: dict[int, int] = {}
         self._copies: list[tuple[int, int]] = []
         self.stats = PrefixCacheStats()
+        #: Prefixes dropped from the cache so far. While it stays the same, every lookup that
+        #: found a prefix still finds it (a moved prefix is found under its new block): the
+        #: worker's admission re-probes its groups only when it moved (worker/admission.py).
+        self.evictions = 0
 
     # ----------------------------------------------------------------- queries
     @property
@@ -255,6 +259,7 @@ class BlockPool:
     def _evict(self, block: int) -> None:
         h = self._hash_of[block]
         if h is not None:
+            self.evictions += 1
             del self._cached[h]
             self._hash_of[block] = None
             self._hashed[block] = 0

@@ -44,6 +44,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.runner_tables: dict[int, list[int]] = {}
         self.next_request = 0
         self.salts: dict[str, str | None] = {}
+        self.cached_seen: dict = {}  # prefix hash -> tokens, as of the last check
+        self.evictions_seen = 0
 
     # ------------------------------------------------------------ operations
     @rule(
@@ -192,6 +194,20 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert pool._tokens_of[block] is not None
         assert sum(pool._hashed) == len(pool._cached)
         assert sum(h is not None for h in pool._hash_of) == len(pool._cached)
+
+    @invariant()
+    def prefixes_stay_found_until_an_eviction(self) -> None:
+        """While ``pool.evictions`` has not moved, every prefix cached at the last check is still
+        found by a lookup (moved or not): what the worker's admission counts on to skip its
+        probes (worker/admission.py)."""
+        pool = self.sched.pool
+        if pool.evictions == self.evictions_seen:
+            for block_hash, tokens in self.cached_seen.items():
+                assert pool.lookup(block_hash, list(tokens)) is not None
+        else:
+            assert pool.evictions > self.evictions_seen
+        self.cached_seen = {h: pool._tokens_of[b] for h, b in pool._cached.items()}
+        self.evictions_seen = pool.evictions
 
     @invariant()
     def ref_counts_match_tables(self) -> None:

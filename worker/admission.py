@@ -79,6 +79,7 @@ class Group:
     probe: list[tuple[BlockHash, tuple[int, ...]]] = field(default_factory=list)
     depth: int = 0  # blocks the group's jobs were seen to share (largest hit)
     blocks: int = 0  # of those, cached at the last probe
+    probed: int = -1  # the pool's eviction count at that probe (-1: count again)
     jobs: int = 0
     hits: int = 0
     hit_tokens: int = 0
@@ -212,6 +213,7 @@ class PrefixAdmission:
         if g is None:
             return
         g.running.discard(job_id)
+        g.probed = -1  # its jobs may have cached more than the last count: count again
         if g.pilot == job_id:
             g.pilot = None
         if out is None or not out.prompt_token_ids:
@@ -230,8 +232,15 @@ class PrefixAdmission:
         """Pilots whose prefill is done, cache probes, and (``full``, the heartbeat's) jobs that
         ended without ``finished`` and a count of the cached blocks of every group that has
         none running here. Every admission round runs this over every group, so its part is
-        cheap: a group with jobs running here keeps its count (they hold its prefix blocks), any
-        other is probed for its first block."""
+        cheap: a group with jobs running here keeps its count (they hold its prefix blocks), and
+        so does one counted since the pool last evicted a prefix (a count falls only by an
+        eviction; ``Group.probed``); any other is probed for its first block. The heartbeat
+        counts every group again (a count that rose without the group's own jobs, through
+        another group's sharing its blocks, is corrected there). Why the eviction count: with
+        hundreds of groups (prompts that share nothing make one each) the rounds' probes were
+        most of the loop thread's admission work, ~0.3 ms a round."""
+        pool = self._pool()
+        evictions = getattr(pool, "evictions", -2)
         for g in list(self.groups.values()):
             if full:
                 for jid in [j for j in g.running if j not in self.jobs]:
@@ -244,12 +253,14 @@ class PrefixAdmission:
                     g.pilot = None
             if not g.probe:
                 g.blocks = 0
-            elif g.running and g.blocks:
-                continue  # its running jobs hold the blocks counted
+            elif (g.running and g.blocks) or (not full and g.probed == evictions):
+                continue  # its running jobs hold the blocks counted / nothing was evicted
             elif full:
                 g.blocks = self._cached_blocks(g)
+                g.probed = evictions
             else:
                 g.blocks = self._still_cached(g)
+                g.probed = evictions
 
     def _still_cached(self, g: Group) -> int:
         """``g.blocks`` as of the last count while the group's first block stays cached (a
