@@ -129,6 +129,36 @@ def test_wait_many_ends_when_the_last_open_job_does(client: Client, redis_url: s
         client.wait_many([ids[0], "missing"], timeout=1)
 
 
+def test_wait_many_reads_records_as_their_jobs_end(client: Client, redis_url: str) -> None:
+    """Records are read while the wait goes on (the oldest open jobs, swept), not all after the
+    last job ended; each once; the answer keeps the order (and repeats) of the ids asked for."""
+    ids = client.submit_many([f"s{i}" for i in range(100)])
+    worker = JobStore(redis_url)
+    leases = {x.job_id: x for x in worker.claim("w", 100)}
+    reads: list[int] = []
+    get_many = client.store.get_many
+
+    def counted(job_ids):  # type: ignore[no-untyped-def]
+        reads.append(len(job_ids))
+        return get_many(job_ids)
+
+    client.store.get_many = counted  # type: ignore[method-assign]
+
+    def finish_oldest_first() -> None:
+        for jid in ids:
+            time.sleep(0.004)
+            worker.commit_step(finished=[Finish(leases[jid], "succeeded", result=result("r", [1]))])
+
+    t = threading.Thread(target=finish_oldest_first)
+    t.start()
+    recs = client.wait_many([*ids, ids[0]], timeout=20, poll_s=0.01)
+    t.join()
+    assert [r.id for r in recs] == [*ids, ids[0]]
+    assert {r.status for r in recs} == {JobStatus.SUCCEEDED}
+    assert sum(reads) == 100  # every record read once
+    assert len(reads) > 2 and reads[-1] < 50  # most of them before the end
+
+
 def test_stream_yields_deltas_until_end(client: Client, redis_url: str) -> None:
     jid = client.submit("tell me")
     worker = JobStore(redis_url)
