@@ -102,6 +102,16 @@ def worker_counters(views: list[WorkerView]) -> Iterator[Metric]:
         for phase, sec in sorted(hb.loop_seconds.items()):
             loop.add_metric([i, phase], sec)
     yield loop
+    cpu = CounterMetricFamily(
+        P + "worker_engine_cpu_seconds",
+        "The stepping thread's CPU time in engine steps; the engine phase of "
+        "worker_loop_seconds minus this is time off the CPU mid-step (interpreter lock, "
+        "preemption).",
+        labels=["worker"],
+    )
+    for i, hb in ids:
+        cpu.add_metric([i], hb.engine_cpu_seconds)
+    yield cpu
 
 
 def prefix_series(views: list[WorkerView]) -> Iterator[Metric]:

@@ -13,7 +13,9 @@ first streamed token on an idle worker, and the 1-minute load average. A worker'
 (its heartbeat's ``loop_seconds``, read before and after each round) splits its round into engine
 steps (``loop_engine_s``; ``engine_over_offline_wall`` > 1: the same steps ran slower beside the
 service's other threads and processes) and the loop's own work (``loop_service_s``, its share of
-the round's wall time ``loop_service_share``); the rest of the round is waiting.
+the round's wall time ``loop_service_share``); the rest of the round is waiting. Of the engine
+steps, ``engine_off_cpu_share`` is the part the stepping thread spent off the CPU (waiting for the
+interpreter lock held by the worker's writer or claimer thread, or preempted).
 
 Usage: ``python -m bench.service [--model DIR|FILE.gguf | --preset tiny|bench|smollm2]
 [--requests 96] [--rounds 3] [--baseline-tree DIR] [--worker-flags "..."]
@@ -231,7 +233,7 @@ def run_rounds(
     systems = ["offline", *workers]
     got: dict[str, dict[str, list[float]]] = {
         n: {"tok_s": [], "cpu_s": [], "redis_cpu_s": [], "client_cpu_s": [], "wall_s": [],
-            "loop_engine_s": [], "loop_service_s": []}
+            "loop_engine_s": [], "loop_service_s": [], "loop_engine_cpu_s": []}
         for n in systems
     }  # fmt: skip
     if args.warmup_requests:  # not timed: first-seen shapes (Triton JIT, oneDNN) cost a round
@@ -257,7 +259,7 @@ def run_rounds(
                 got[name]["redis_cpu_s"].append(cpu_s(workers[name][2]) - redis0)
                 got[name]["client_cpu_s"].append(cpu_s() - client0)
                 loop1 = loop_seconds(url, time.time())
-                for phase in ("engine", "service"):
+                for phase in ("engine", "service", "engine_cpu"):
                     if phase in loop0 and phase in loop1:
                         got[name][f"loop_{phase}_s"].append(loop1[phase] - loop0[phase])
             got[name]["tok_s"].append(wl.output_tokens / wall)
@@ -274,7 +276,10 @@ def loop_seconds(url: str, after: float, timeout: float = 5.0) -> dict[str, floa
         while time.monotonic() < deadline:
             hb = store.workers().get("bench", {})
             if float(hb.get("last_seen", 0.0)) > after:
-                return dict(hb.get("loop_seconds") or {})
+                got = dict(hb.get("loop_seconds") or {})
+                if "engine_cpu_seconds" in hb:  # the steps' thread CPU time (newer trees)
+                    got["engine_cpu"] = float(hb["engine_cpu_seconds"])
+                return got
             time.sleep(0.05)
         return {}
     finally:
@@ -290,7 +295,7 @@ def summary(got: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
         out[f"{name}_tok_s"] = round(statistics.median(xs), 1)
         out[f"{name}_tok_s_rounds"] = [round(x, 1) for x in xs]
         for what in ("cpu_s", "redis_cpu_s", "client_cpu_s", "wall_s", "loop_engine_s",
-                     "loop_service_s"):  # fmt: skip
+                     "loop_service_s", "loop_engine_cpu_s"):  # fmt: skip
             if got[name][what]:
                 out[f"{name}_{what}_rounds"] = [round(x, 3) for x in got[name][what]]
         engine = got[name]["loop_engine_s"]
@@ -303,6 +308,10 @@ def summary(got: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
             shares = [v / w for v, w in zip(got[name]["loop_service_s"], got[name]["wall_s"],
                                              strict=True)]  # fmt: skip
             out[f"{name}_loop_service_share"] = round(statistics.median(shares), 3)
+            cpu = got[name]["loop_engine_cpu_s"]
+            if len(cpu) == len(engine):  # the stepping thread off the CPU mid-step
+                off = [1 - c / e for c, e in zip(cpu, engine, strict=True) if e > 0]
+                out[f"{name}_engine_off_cpu_share"] = round(statistics.median(off), 4)
     pairs = [(n, "offline") for n in tps if n != "offline"]
     if "baseline" in tps:
         pairs.append(("service", "baseline"))

@@ -129,6 +129,9 @@ class WorkerHeartbeat(BaseModel):
     # ``engine`` in engine steps, ``service`` in its own work (claims, admission, heartbeats,
     # progress and results handed to the writer), ``idle`` waiting for work or for Redis.
     loop_seconds: dict[str, float] = Field(default_factory=dict)
+    # The stepping thread's CPU time in the engine's steps (part of ``loop_seconds["engine"]``;
+    # the difference is time off the CPU mid-step: the interpreter lock, preemption).
+    engine_cpu_seconds: float = Field(default=0.0, ge=0)
     # The served model's context, for the API's length check (``api.jobs.check_context``):
     # ``worker.pretokenize.context_info``. ``max_token_bytes``: most UTF-8 bytes one token of the
     # vocabulary stands for (None: no tokenizer, text cannot be bounded).

@@ -67,6 +67,7 @@ def heartbeat(worker_id: str = "w1", *, steps: int = 10, running: int = 2) -> Wo
         time_to_first_token_seconds=ttft,
         e2e_request_latency_seconds=e2e,
         loop_seconds={"engine": 12.5, "service": 0.75, "idle": 30.0},
+        engine_cpu_seconds=12.25,
     )
 
 

@@ -270,6 +270,7 @@ def test_metrics_text_parses_with_values(client: FlaskClient, redis_url: str) ->
     loop = "pagedserve:worker_loop_seconds_total"
     assert s[(loop, (("phase", "engine"), *w))] == 12.5
     assert s[(loop, (("phase", "service"), *w))] == 0.75
+    assert s[("pagedserve:worker_engine_cpu_seconds_total", w)] == 12.25
 
 
 # ----------------------------------------------------------------------------- misc

@@ -361,6 +361,10 @@ def test_service_bench_warms_every_system_then_times_rounds(
     assert 0 < engine < wall and 0 <= own < wall
     (offline,) = rec["offline_wall_s_rounds"]
     assert rec["service_engine_over_offline_wall"] == pytest.approx(engine / offline, rel=0.02)
+    (cpu,) = rec["service_loop_engine_cpu_s_rounds"]  # the stepping thread's CPU in those steps
+    assert 0 < cpu <= engine + 0.01
+    # (from the unrounded seconds: the rounds' figures above are rounded to 1 ms)
+    assert rec["service_engine_off_cpu_share"] == pytest.approx(1 - cpu / engine, abs=0.015)
 
 
 def test_redis_cost_counts_what_a_real_worker_asks_of_redis(

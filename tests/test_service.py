@@ -177,4 +177,5 @@ def test_heartbeat_contents(redis_url: str, model_dir: Path, start_worker: Start
     loop = hb.loop_seconds  # the loop clock: its phases add up to no more than the uptime
     assert set(loop) == {"engine", "service", "idle"} and loop["engine"] > 0
     assert sum(loop.values()) <= time.time() - hb.started_at + 0.01
+    assert 0 < hb.engine_cpu_seconds <= loop["engine"] + 0.01  # the steps' CPU time is in it
     assert TEST_WORKER_ARGS  # the fixture's options are what the offline comparison mirrors

@@ -317,9 +317,7 @@ class Worker:
         self._add_tokenized()
         outputs: list[RequestOutput] = []
         if self.engine.has_unfinished():
-            t0 = time.perf_counter()
-            outputs = self.engine.step()
-            self.clock.engine += time.perf_counter() - t0
+            outputs = self.clock.step(self.engine.step)
         jobs = self.jobs
         for out in outputs:
             st = jobs.get(out.request_id)
