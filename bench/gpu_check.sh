@@ -8,7 +8,9 @@
 #      and two prefill cases (TFLOP/s),
 #   4. runs bench.throughput on the GPU in bfloat16: ours against transformers' static batches,
 #   5. where a redis-server is on the PATH, bench.service on the GPU (the service path at GPU step
-#      speeds against the offline engine; it needs this project's service packages: redis, ...).
+#      speeds against the offline engine; its engine_over_offline_wall, engine_off_cpu_share (the
+#      interpreter lock's share of the steps) and loop_service_share split the gap; it needs this
+#      project's service packages: redis, ...).
 # Every step runs even when one before it failed; the exit status says whether all passed.
 # Usage, from the repository root: bash bench/gpu_check.sh   (PYTHON=... to pick an interpreter)
 set -uo pipefail
