@@ -24,8 +24,8 @@ from typing import Any
 import redis
 
 from bench.common import emit
-from bench.service import params_of, pick_model, start_worker
-from bench.throughput import Workload, make_mixed, model_numbers
+from bench.service import pick_model, start_worker
+from bench.throughput import Workload, make_mixed, model_numbers, params_of
 from pagedserve.client import Client
 from pagedserve.redis_util import LocalRedisServer
 from pagedserve.schemas import JobRecord, JobRequest
