@@ -13,6 +13,11 @@ from typing import Any
 import redis
 from redis.commands.core import Script
 
+try:
+    import hiredis
+except ImportError:  # redis-py packs in Python then
+    hiredis = None  # type: ignore[assignment]
+
 from pagedserve.jobstore.records import TRANSIENT_REPLY_ERRORS, ClaimStats, Entry, Lease, LineAdd
 from pagedserve.keys import GROUP, PRIORITIES, Keys
 from pagedserve.tenants import TenantBook
@@ -43,6 +48,35 @@ def _load_lua(name: str) -> str:
     base = resources.files("pagedserve") / "lua"
     common = (base / "_common.lua").read_text()
     return common + "\n" + (base / f"{name}.lua").read_text()
+
+
+def _pack(conn: Any, commands: Sequence[Sequence[Any]]) -> list[bytes]:
+    """The commands in RESP, packed by hiredis in C (arguments are str, bytes, int or float;
+    the bytes are those redis-py's encoder makes), or by the connection where it cannot."""
+    if hiredis is not None:
+        try:
+            return [b"".join(hiredis.pack_command(tuple(c)) for c in commands)]
+        except TypeError:  # an argument hiredis does not take: redis-py's checks and error
+            pass
+    return conn.pack_commands(commands)  # type: ignore[no-any-return]
+
+
+def _roundtrip(conn: Any, commands: Sequence[Sequence[Any]]) -> list[Any]:
+    """Send the commands as one pipeline on ``conn`` and read every reply; an error reply is
+    returned in its place (the other commands ran). A connection that fails mid-way is
+    disconnected (what it had sent may have run)."""
+    try:
+        conn.send_packed_command(_pack(conn, commands))
+        replies: list[Any] = []
+        for _ in commands:
+            try:
+                replies.append(conn.read_response())
+            except redis.ResponseError as e:
+                replies.append(e)
+        return replies
+    except BaseException:
+        conn.disconnect()
+        raise
 
 
 class StoreBase:
@@ -148,12 +182,34 @@ class StoreBase:
         return self._pipe(calls, transaction)
 
     def _pipe(self, calls: Sequence[Call], transaction: bool) -> list[Any]:
+        if not transaction and not self.cluster:
+            return self._pipe_direct(calls)
         pipe = self.r.pipeline(transaction=transaction)
         for name, keys, args in calls:
             # execute_command: a cluster pipeline blocks its evalsha method, not the command
             # (routed by its first key).
             pipe.execute_command("EVALSHA", self._scripts[name].sha, len(keys), *keys, *args)
         return list(pipe.execute(raise_on_error=False))
+
+    def _pipe_direct(self, calls: Sequence[Call]) -> list[Any]:
+        """The calls as one pipeline written straight to a pooled connection, each reply read
+        as it comes (an error reply in its place), retried as the client's ``Retry`` says (as
+        ``Redis.pipeline`` does). Why not ``Redis.pipeline``: its per-command bookkeeping
+        (command stack, argument encoding in Python, response callbacks, instrumentation) ran
+        on the worker's writer and claimer threads, holding the interpreter lock that the
+        engine's steps wait on at fast steps (``bench.service --preset tiny``)."""
+        commands = [
+            ("EVALSHA", self._scripts[name].sha, len(keys), *keys, *args)
+            for name, keys, args in calls
+        ]
+        pool = self.r.connection_pool
+        conn = pool.get_connection()
+        try:
+            return conn.retry.call_with_retry(  # type: ignore[no-any-return]
+                lambda: _roundtrip(conn, commands), lambda _: conn.disconnect()
+            )
+        finally:
+            pool.release(conn)
 
     def _send_per_slot(self, calls: Sequence[Call]) -> list[Any]:
         """Cluster: a MULTI/EXEC spans one slot, so the calls run as one transaction per slot
