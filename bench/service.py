@@ -15,7 +15,10 @@ steps (``loop_engine_s``; ``engine_over_offline_wall`` > 1: the same steps ran s
 service's other threads and processes) and the loop's own work (``loop_service_s``, its share of
 the round's wall time ``loop_service_share``); the rest of the round is waiting. Of the engine
 steps, ``engine_off_cpu_share`` is the part the stepping thread spent off the CPU (waiting for the
-interpreter lock held by the worker's writer or claimer thread, or preempted).
+interpreter lock held by the worker's writer or claimer thread, or preempted), and
+``steps_over_offline`` compares the engine steps each ran (from the heartbeat; > 1: the worker's
+batches were smaller, e.g. while its first claims came in). With ``--worker-flags=--engine-process``
+the worker's engine steps in a child process: its loop clock then times the waits for it.
 
 Usage: ``python -m bench.service [--model DIR|FILE.gguf | --preset tiny|bench|smollm2]
 [--requests 96] [--rounds 3] [--baseline-tree DIR] [--worker-flags "..."]
@@ -233,7 +236,7 @@ def run_rounds(
     systems = ["offline", *workers]
     got: dict[str, dict[str, list[float]]] = {
         n: {"tok_s": [], "cpu_s": [], "redis_cpu_s": [], "client_cpu_s": [], "wall_s": [],
-            "loop_engine_s": [], "loop_service_s": [], "loop_engine_cpu_s": []}
+            "loop_engine_s": [], "loop_service_s": [], "loop_engine_cpu_s": [], "steps": []}
         for n in systems
     }  # fmt: skip
     if args.warmup_requests:  # not timed: first-seen shapes (Triton JIT, oneDNN) cost a round
@@ -247,9 +250,10 @@ def run_rounds(
         for name in systems[k:] + systems[:k]:
             pid = None if name == "offline" else workers[name][1]
             if name == "offline":
-                cpu0 = cpu_s()
+                cpu0, steps0 = cpu_s(), eng.heartbeat_stats().steps
                 wall = run_offline(eng, wl, f"r{r}")
                 got[name]["cpu_s"].append(cpu_s() - cpu0)
+                got[name]["steps"].append(eng.heartbeat_stats().steps - steps0)
             else:
                 url = workers[name][0]
                 loop0 = loop_seconds(url, time.time())
@@ -262,6 +266,8 @@ def run_rounds(
                 for phase in ("engine", "service", "engine_cpu"):
                     if phase in loop0 and phase in loop1:
                         got[name][f"loop_{phase}_s"].append(loop1[phase] - loop0[phase])
+                if "steps" in loop0 and "steps" in loop1:
+                    got[name]["steps"].append(loop1["steps"] - loop0["steps"])
             got[name]["tok_s"].append(wl.output_tokens / wall)
             got[name]["wall_s"].append(wall)
     return got
@@ -277,6 +283,8 @@ def loop_seconds(url: str, after: float, timeout: float = 5.0) -> dict[str, floa
             hb = store.workers().get("bench", {})
             if float(hb.get("last_seen", 0.0)) > after:
                 got = dict(hb.get("loop_seconds") or {})
+                if "steps" in hb:  # engine steps so far (compared with the offline's)
+                    got["steps"] = float(hb["steps"])
                 if "engine_cpu_seconds" in hb:  # the steps' thread CPU time (newer trees)
                     got["engine_cpu"] = float(hb["engine_cpu_seconds"])
                 return got
@@ -295,7 +303,7 @@ def summary(got: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
         out[f"{name}_tok_s"] = round(statistics.median(xs), 1)
         out[f"{name}_tok_s_rounds"] = [round(x, 1) for x in xs]
         for what in ("cpu_s", "redis_cpu_s", "client_cpu_s", "wall_s", "loop_engine_s",
-                     "loop_service_s", "loop_engine_cpu_s"):  # fmt: skip
+                     "loop_service_s", "loop_engine_cpu_s", "steps"):  # fmt: skip
             if got[name][what]:
                 out[f"{name}_{what}_rounds"] = [round(x, 3) for x in got[name][what]]
         engine = got[name]["loop_engine_s"]
@@ -312,6 +320,10 @@ def summary(got: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
             if len(cpu) == len(engine):  # the stepping thread off the CPU mid-step
                 off = [1 - c / e for c, e in zip(cpu, engine, strict=True) if e > 0]
                 out[f"{name}_engine_off_cpu_share"] = round(statistics.median(off), 4)
+            steps, offline_steps = got[name]["steps"], got["offline"]["steps"]
+            if len(steps) == len(offline_steps) == len(xs):  # > 1: smaller batches than offline
+                ratios = [a / b for a, b in zip(steps, offline_steps, strict=True) if b > 0]
+                out[f"{name}_steps_over_offline"] = round(statistics.median(ratios), 3)
     pairs = [(n, "offline") for n in tps if n != "offline"]
     if "baseline" in tps:
         pairs.append(("service", "baseline"))
