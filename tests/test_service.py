@@ -51,10 +51,17 @@ def heartbeat(client: Client, worker_id: str) -> dict:
     return client.store.workers().get(worker_id, {})
 
 
+#: The engine in the worker's process, and in a child of its own (worker/engine_process.py).
+ENGINE_PLACES = pytest.mark.parametrize(
+    "engine_flags", [(), ("--engine-process",)], ids=["in-process", "engine-process"]
+)
+
+
+@ENGINE_PLACES
 def test_results_equal_offline_greedy_and_stream(
-    redis_url: str, model_dir: Path, start_worker: StartWorker
+    redis_url: str, model_dir: Path, start_worker: StartWorker, engine_flags: tuple[str, ...]
 ) -> None:
-    start_worker(redis_url, model_dir, "w1")
+    start_worker(redis_url, model_dir, "w1", *engine_flags)
     client = Client(redis_url)
     ids = client.submit_many(PROMPTS, GREEDY)
     recs = client.wait_many(ids, timeout=60)
@@ -124,11 +131,15 @@ def test_two_workers_share_the_queue(
     assert by_worker["a"] + by_worker["b"] == 60
 
 
+@ENGINE_PLACES
 def test_cancel_mid_generation_frees_blocks(
-    redis_url: str, model_dir: Path, start_worker: StartWorker
+    redis_url: str, model_dir: Path, start_worker: StartWorker, engine_flags: tuple[str, ...]
 ) -> None:
     # A heartbeat every 0.2 s: on a fast CPU the whole job takes less than the default 1 s.
-    start_worker(redis_url, model_dir, "w1", "--max-model-len", "2048", "--heartbeat-s", "0.2")
+    start_worker(
+        redis_url, model_dir, "w1", "--max-model-len", "2048", "--heartbeat-s", "0.2",
+        *engine_flags,
+    )  # fmt: skip
     client = Client(redis_url)
     jid = client.submit([3] * 100, {"max_tokens": 1900, "temperature": 0, "ignore_eos": True})
     wait_for(lambda: (r := client.get(jid)) and r.tokens_generated > 0, what="first tokens")

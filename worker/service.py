@@ -61,6 +61,8 @@ from worker.writer import WRITE_FAILED, Writer
 
 if TYPE_CHECKING:
     from worker.engine import Engine
+    from worker.engine_process import EngineProcess
+    from worker.outputs import EngineConfig
 
 __all__ = [
     "PREFIX_ENV",
@@ -533,13 +535,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         lease_ms=cfg.lease_ms,
         max_deliveries=cfg.max_deliveries,
     )
-    from worker.engine import Engine
+    from worker.engine_process import EngineDied  # (torch: imported once the options are read)
 
-    engine = Engine(args.model, engine_config(args))
-    worker = Worker(engine, store, cfg)
+    engine = _make_engine(args.model, engine_config(args), cfg.engine_process)
+    worker = Worker(engine, store, cfg)  # type: ignore[arg-type]
     signal.signal(signal.SIGTERM, worker.request_stop)
     signal.signal(signal.SIGINT, worker.request_stop)
-    return worker.run()
+    try:
+        return worker.run()
+    except EngineDied as e:  # leases lapse: other workers reclaim the jobs
+        log.error("%s; unsent results are written, running jobs go back by reclaim", e)
+        worker.close(cfg.writer_drain_s)
+        return 1
+    finally:
+        close = getattr(engine, "close", None)
+        if close is not None:
+            close()
+
+
+def _make_engine(model: str, cfg: EngineConfig, in_child: bool) -> Engine | EngineProcess:
+    """The engine, in this process or (``--engine-process``) in a child of its own."""
+    if in_child:
+        from worker.engine_process import EngineProcess
+
+        return EngineProcess(model, cfg)
+    from worker.engine import Engine
+
+    return Engine(model, cfg)
 
 
 if __name__ == "__main__":

@@ -90,6 +90,13 @@ class ServiceConfig:
     # Writes of bulk jobs wait for the writer's next send, at most this long after the last one
     # (interactive jobs' go at once): fewer wakes of the writer's thread (worker/writer.py).
     write_interval_s: float = 0.05
+    # The engine in a child process of its own (worker/engine_process.py): the service's Python
+    # work no longer takes the interpreter lock from the engine's steps.
+    engine_process: bool = field(
+        default=False,
+        metadata=opt("step the engine in a child process, beside the service loop "
+                     "(faster at fast steps; prefix admission sees no cached blocks)"),
+    )  # fmt: skip
     # At exit, how long the writer may go on retrying writes that Redis has not taken yet.
     writer_drain_s: float = 5.0
 

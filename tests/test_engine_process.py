@@ -1,0 +1,179 @@
+"""``pagedserve worker --engine-process``: the engine stepping in a child process, seen from the
+service loop through :class:`worker.engine_process.EngineProcess` (and end to end with Redis in
+tests/test_service.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from pagedserve.client import Client
+from pagedserve.params import SamplingParams
+from pagedserve.schemas import JobStatus
+from tests.fixtures.workers import StartWorker, wait_for
+from worker.engine import Engine
+from worker.engine_process import EngineDied, EngineProcess
+from worker.outputs import EngineConfig, RequestOutput
+
+CFG = EngineConfig(num_kv_blocks=256, max_model_len=512, num_threads=1)
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture
+def model_dir(make_tiny_model) -> Path:  # type: ignore[no-untyped-def]
+    return make_tiny_model("llama")
+
+
+@pytest.fixture
+def remote(model_dir: Path):  # type: ignore[no-untyped-def]
+    eng = EngineProcess(model_dir, CFG)
+    try:
+        yield eng
+    finally:
+        eng.close()
+
+
+def run_all(eng: Engine | EngineProcess) -> dict[str, RequestOutput]:
+    done: dict[str, RequestOutput] = {}
+    deadline = time.monotonic() + 60
+    while eng.has_unfinished() and time.monotonic() < deadline:
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
+def test_outputs_equal_the_in_process_engine(model_dir: Path, remote: EngineProcess) -> None:
+    prompts: list[str | list[int]] = ["The quick brown fox", [5, 17, 99, 200, 3], "def main():"]
+    local = Engine(model_dir, CFG)
+    for i, p in enumerate(prompts):
+        local.add_request(str(i), p, GREEDY, stream=False)
+        remote.add_request(str(i), p, GREEDY, stream=False)
+    assert remote.free_capacity() <= CFG.max_num_seqs - len(prompts)
+    want, got = run_all(local), run_all(remote)
+    assert sorted(got) == sorted(want) == ["0", "1", "2"]
+    for rid, out in want.items():
+        assert got[rid].outputs[0].token_ids == out.outputs[0].token_ids
+        assert got[rid].outputs[0].text == out.outputs[0].text
+        assert got[rid].prompt_token_ids == out.prompt_token_ids and got[rid].error is None
+    assert not remote.has_unfinished()
+    stats = wait_for(lambda: (s := remote.heartbeat_stats()).steps > 0 and s, what="stats")
+    assert stats.tokens_generated == 30 and stats.pool is not None
+
+
+def test_refused_request_comes_back_as_an_error(remote: EngineProcess) -> None:
+    remote.add_request("long", [1] * 600, GREEDY)  # longer than max_model_len 512
+    remote.add_request("ok", [1, 2, 3], GREEDY)
+    done = run_all(remote)
+    assert done["long"].finished and done["long"].error is not None
+    assert done["long"].error.startswith("rejected: prompt of 600 tokens exceeds")
+    assert done["ok"].error is None and len(done["ok"].outputs[0].token_ids) == 10
+
+
+def test_abort_returns_the_last_output_and_frees_the_request(remote: EngineProcess) -> None:
+    remote.add_request("a", [4, 5, 6], SamplingParams(max_tokens=400, ignore_eos=True))
+    wait_for(lambda: remote.step() or remote.snapshot("a"), what="a first output")
+    wait_for(lambda: (remote.step(), s := remote.snapshot("a"))[1] and s.outputs[0].token_ids,
+             what="a snapshot with tokens")  # fmt: skip
+    partial = remote.abort("a")
+    assert partial is not None and partial.outputs[0].finish_reason == "abort"
+    assert 0 < len(partial.outputs[0].token_ids) < 400
+    assert not remote.has_unfinished() and remote.abort("a") is None
+    # The child dropped it: its pool has nothing in use once it reports again.
+    wait_for(lambda: (s := remote.heartbeat_stats()).running == 0 and s.pool is not None
+             and s.pool.in_use == 0, what="the pool empty")  # fmt: skip
+
+
+def test_outputs_received_while_asking_for_stats_reach_step(remote: EngineProcess) -> None:
+    remote.add_request("a", [4, 5, 6], GREEDY)
+    remote.step()  # sent
+    wait_for(lambda: remote.heartbeat_stats().tokens_generated == 10, what="the request done")
+    assert remote.has_unfinished()  # its last output is still to be returned
+    outs = remote.step()
+    assert [o.request_id for o in outs if o.finished] == ["a"] and not remote.has_unfinished()
+
+
+def test_prefix_admission_sees_the_childs_cached_blocks(remote: EngineProcess) -> None:
+    from worker.admission import _probe_of
+
+    prompt = list(range(10, 60))  # three full blocks of 16 (the last token's block is not probed)
+    remote.add_request("a", prompt, GREEDY)
+    assert "a" in run_all(remote)
+    pool = remote.scheduler.pool
+    probe = _probe_of(prompt, pool.block_size)
+    assert len(probe) == 3
+    version = pool.evictions
+    assert all(pool.lookup(h, toks) is None for h, toks in probe)  # not asked yet: unknown
+    remote.heartbeat_stats()  # the questions go with the orders; the answers come back
+    blocks = [pool.lookup(h, toks) for h, toks in probe]
+    assert all(isinstance(b, int) for b in blocks) and len(set(blocks)) == 3
+    assert pool.evictions > version  # the view changed: admission counts the groups again
+    other = _probe_of(list(range(500, 550)), pool.block_size)
+    pool.lookup(*other[0])
+    remote.heartbeat_stats()
+    assert pool.lookup(*other[0]) is None  # a prefix the pool never held
+
+
+def test_a_dead_child_is_an_error(remote: EngineProcess) -> None:
+    remote.add_request("a", [4, 5, 6], SamplingParams(max_tokens=400, ignore_eos=True))
+    remote.step()
+    os.kill(remote.proc.pid, signal.SIGKILL)
+    with pytest.raises(EngineDied):
+        for _ in range(200):
+            remote.step()
+
+
+def test_a_model_that_does_not_load_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(EngineDied, match="did not load"):
+        EngineProcess(tmp_path / "no-such-model", CFG)
+
+
+def engine_child(pid: int) -> int:
+    """The worker's engine process (multiprocessing also starts a resource tracker)."""
+    kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    engine = [int(k) for k in kids if b"pipe_handle" in Path(f"/proc/{k}/cmdline").read_bytes()]
+    assert len(engine) == 1, kids
+    return engine[0]
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_worker_exits_with_an_error_when_its_engine_dies(
+    redis_url: str, model_dir: Path, start_worker: StartWorker
+) -> None:
+    w = start_worker(redis_url, model_dir, "w1", "--engine-process")
+    client = Client(redis_url)
+    done = client.submit([1, 2, 3], GREEDY.model_dump())
+    assert client.wait(done, timeout=60).status == JobStatus.SUCCEEDED
+    os.kill(engine_child(w.proc.pid), signal.SIGKILL)
+    assert w.wait(timeout=30) == 1
+    assert "engine process ended" in w.log()
+
+
+def test_drain_stops_the_child(redis_url: str, model_dir: Path, start_worker: StartWorker) -> None:
+    w = start_worker(redis_url, model_dir, "w1", "--engine-process")
+    client = Client(redis_url)
+    jid = client.submit("a prompt", {"max_tokens": 6, "temperature": 0})
+    assert client.wait(jid, timeout=60).status == JobStatus.SUCCEEDED
+    child = engine_child(w.proc.pid)
+    w.terminate()
+    assert w.wait(timeout=30) == 0
+    wait_for(lambda: not alive(child), what="the engine's process to end")
+
+
+def test_the_child_ends_with_a_killed_worker(
+    redis_url: str, model_dir: Path, start_worker: StartWorker
+) -> None:
+    w = start_worker(redis_url, model_dir, "w1", "--engine-process")
+    child = engine_child(w.proc.pid)
+    w.kill()  # SIGKILL: no drain, no close; the child sees its pipe closed
+    wait_for(lambda: not alive(child), timeout=20, what="the orphaned engine process to end")

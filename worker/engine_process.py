@@ -1,0 +1,412 @@
+"""``pagedserve worker --engine-process``: the engine steps in a child process of its own, the
+service loop (claims, admission, Redis writes, heartbeats) runs in the worker's process.
+
+Why: with the engine in the loop's process, every piece of the service's Python work (the
+loop's own, and the writer's and claimer's threads) holds the one interpreter lock that the
+engine's steps need between their kernels. At fast steps (a small model on a CPU; any model on a
+GPU) that cost ``bench.service --preset tiny`` 8-10% of the offline engine's throughput: 3.4% the
+loop's own work, ~2% waits for the lock mid-step, 2-4% slower steps (the same steps' CPU time)
+and a few steps more. In a process of its own the engine steps back to back, as offline, while
+the service works beside it on the other core; what crosses is one message per step.
+
+What :class:`EngineProcess` gives the loop is the part of :class:`worker.engine.Engine` the loop
+uses, answered from what the child last reported, never by a round trip:
+
+- ``add_request`` and ``abort`` are queued and sent before the next ``step``; a request the
+  engine refuses comes back as a finished output whose ``error`` starts with ``rejected:`` (the
+  loop fails the job with it, as it fails one refused in-process); ``abort`` returns the last
+  output the child sent for the request (a cancelled job's partial result).
+- ``step`` sends what was queued and returns the outputs of every step the child ran since the
+  last call (waiting up to :data:`STEP_WAIT_S` for one).
+- ``snapshot`` returns the request's last output received and asks for a new one, which comes
+  with the next report: progress is one flush interval behind, the first token and the final
+  output are not (they come with the step that made them).
+- ``free_capacity``, ``num_waiting``: the child's last report, corrected for the requests added
+  since; ``heartbeat_stats`` and ``unstarted`` ask the child and wait for its next report.
+- Text and chat prompts are tokenized here (the pretokenize pool), with the model's tokenizer.
+
+Prefix-aware admission probes the child's pool through :class:`PoolView`: answers a step or so
+old. Structured-output constraints compile in the child, on its stepping thread.
+
+If the child dies, :meth:`EngineProcess.step` raises :class:`EngineDied` and the worker exits
+with an error: its leases lapse and other workers reclaim the jobs. The child ignores SIGINT and
+SIGTERM (the worker drains and then stops it) and exits when the worker's end of the pipe closes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import signal
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pagedserve.telemetry import EngineTelemetry
+from worker.engine import Engine, _load_tokenizer
+from worker.model_source import resolve_model
+from worker.outputs import CompletionOutput, EngineConfig, RequestOutput, RequestRejected
+
+log = logging.getLogger("pagedserve.worker")
+
+#: How long ``step`` waits for the child's next report.
+STEP_WAIT_S = 0.05
+#: How long ``heartbeat_stats`` and ``unstarted`` wait for the child's answer (a step or so).
+STATS_WAIT_S = 0.5
+#: How long the child may take to load the model.
+START_TIMEOUT_S = 600.0
+#: Large enough that ``admission_capacity(BIG)`` never hits its zero floor.
+_BIG = 1 << 30
+
+
+class EngineDied(RuntimeError):
+    """The engine's child process ended, or could not start."""
+
+
+#: Answers about cached prefix blocks kept here before they are all dropped (and asked again).
+MAX_KNOWN_BLOCKS = 16_384
+
+
+@dataclass
+class PoolView:
+    """The child's KV pool as prefix admission (:mod:`worker.admission`) probes it from here.
+
+    ``lookup`` answers from what the child last said about that block (None until it said
+    anything) and asks it again with the next orders, so an answer is at most a step or so old.
+    ``evictions`` is a version of this view rather than the pool's eviction count: it moves
+    when the child evicted a prefix and whenever an answer changed, which is what admission
+    uses it for (a group counted at the current value needs no new count)."""
+
+    num_blocks: int
+    block_size: int
+    evictions: int = 0
+    known: dict[Any, int | None] = field(default_factory=dict)
+    asked: dict[Any, tuple[int, ...]] = field(default_factory=dict)
+    child_evictions: int = 0
+
+    def lookup(self, block_hash: Any, tokens: Any) -> int | None:
+        self.asked[block_hash] = tuple(tokens)
+        return self.known.get(block_hash)
+
+    def take(self, evictions: int, answers: dict[Any, int | None]) -> None:
+        """The child's eviction count and answers, from one report."""
+        changed = evictions != self.child_evictions
+        self.child_evictions = evictions
+        if len(self.known) + len(answers) > MAX_KNOWN_BLOCKS:
+            self.known.clear()
+            changed = True
+        for h, block in answers.items():
+            changed |= self.known.get(h, -1) != block
+            self.known[h] = block
+        self.evictions += changed
+
+
+@dataclass
+class SchedulerView:
+    pool: PoolView
+
+
+@dataclass
+class Report:
+    """What the child sends after each step, or after orders that came while it was idle."""
+
+    outputs: list[RequestOutput] = field(default_factory=list)
+    snapshots: dict[str, RequestOutput] = field(default_factory=dict)
+    orders_done: int = 0  # order batches applied so far
+    capacity: int = 0  # admission_capacity(n) - n for a large n: the seats and blocks left
+    waiting: int = 0
+    unstarted: list[str] | None = None  # with the stats: when asked, and when idle
+    evictions: int = 0  # the pool's count of evicted prefix blocks
+    lookups: dict[Any, int | None] = field(default_factory=dict)  # asked-for prefix blocks
+    stats: EngineTelemetry | None = None
+
+
+@dataclass
+class Ready:
+    """The child's first message: the engine is loaded."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    num_blocks: int
+    block_size: int
+    model_dir: str
+
+
+# ------------------------------------------------------------------------------- the child
+def _serve(conn: Any, model: str, cfg: EngineConfig) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        eng = Engine(model, cfg)
+    except BaseException as e:
+        conn.send(EngineDied(f"the engine did not load: {type(e).__name__}: {e}"))
+        return
+    pool = eng.scheduler.pool
+    conn.send(Ready(eng.model_name, eng.max_model_len, eng.vocab_size, pool.num_blocks,
+                    pool.block_size, str(eng.model_dir)))  # fmt: skip
+    done, stats_wanted = 0, False
+    while True:
+        rep = Report()
+        if not eng.has_unfinished() or conn.poll(0):
+            try:
+                batches = [conn.recv()]
+                while conn.poll(0):
+                    batches.append(conn.recv())
+            except (EOFError, OSError):  # the worker is gone
+                return
+            for orders in batches:
+                if orders is None:  # stop
+                    return
+                stats_wanted |= _apply(eng, orders, rep)
+                done += 1
+        if eng.has_unfinished():
+            rep.outputs += eng.step()
+        rep.orders_done = done
+        rep.capacity = eng.free_capacity(_BIG) - _BIG
+        rep.waiting = eng.num_waiting()
+        rep.evictions = eng.scheduler.pool.evictions
+        if stats_wanted or not eng.has_unfinished():  # (idle: the last word for a while)
+            stats_wanted = False
+            rep.stats = eng.heartbeat_stats()
+            rep.unstarted = eng.unstarted()
+        try:
+            conn.send(rep)
+        except (BrokenPipeError, OSError):
+            return
+
+
+def _apply(eng: Engine, orders: list[tuple[Any, ...]], rep: Report) -> bool:
+    """Carry out one batch of orders; True if it asks for the stats."""
+    stats = False
+    for op, *args in orders:
+        if op == "add":
+            rid, prompt, params, priority, messages = args
+            try:
+                eng.add_request(rid, prompt, params, priority=priority, messages=messages,
+                                stream=False)  # fmt: skip
+            except Exception as e:  # as the loop words an in-process refusal
+                msg = str(e) if isinstance(e, RequestRejected) else f"{type(e).__name__}: {e}"
+                rep.outputs.append(_refused(rid, f"rejected: {msg}"))
+        elif op == "abort":
+            eng.abort(args[0])
+        elif op == "snapshot":
+            for rid in args[0]:
+                snap = eng.snapshot(rid)
+                if snap is not None:
+                    rep.snapshots[rid] = snap
+        elif op == "stats":
+            stats = True
+        elif op == "lookup":
+            pool = eng.scheduler.pool
+            for h, tokens in args[0]:
+                rep.lookups[h] = pool.lookup(h, tokens)
+    return stats
+
+
+def _refused(rid: str, reason: str) -> RequestOutput:
+    return RequestOutput(rid, [], [CompletionOutput(0, finish_reason="abort")], finished=True,
+                         error=reason)  # fmt: skip
+
+
+# ------------------------------------------------------------------------------- the loop's side
+class EngineProcess:
+    """The engine in a child process, seen from the service loop (see the module docstring)."""
+
+    #: Text and chat prompts are tokenized here as the engine does (``tokenizer``, ``vocab_size``).
+    tokenize = Engine.tokenize
+
+    def __init__(self, model: str | Path, cfg: EngineConfig) -> None:
+        ctx = mp.get_context("spawn")  # no fork of a process holding threads
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(
+            target=_serve, args=(child, str(model), cfg), name="pagedserve-engine", daemon=True
+        )
+        self.proc.start()
+        child.close()
+        ready = self._first_message()
+        self.config = cfg
+        self.model_name = ready.model_name
+        self.max_model_len = ready.max_model_len
+        self.vocab_size = ready.vocab_size
+        self.model_dir = Path(ready.model_dir)
+        self.tokenizer = _load_tokenizer(resolve_model(model))
+        self.scheduler = SchedulerView(PoolView(ready.num_blocks, ready.block_size))
+        self._orders: list[tuple[Any, ...]] = []
+        self._sent = 0  # order batches sent
+        self._live: dict[str, RequestOutput | None] = {}  # added, not finished: last output
+        self._wanted: set[str] = set()
+        self._report = Report(capacity=cfg.max_num_seqs)
+        self._queued_adds = 0  # requests added and not sent yet
+        self._sent_adds: deque[tuple[int, int]] = deque()  # (batch number, adds): not yet applied
+        self._stats = EngineTelemetry()
+        self._unstarted: list[str] = []
+        self._outputs: list[RequestOutput] = []  # received, for the next step()
+        self._stats_asked = False
+
+    def _first_message(self) -> Ready:
+        if not self.conn.poll(START_TIMEOUT_S):
+            self.proc.kill()
+            raise EngineDied(f"the engine did not load in {START_TIMEOUT_S:.0f} s")
+        try:
+            got = self.conn.recv()
+        except EOFError:
+            raise EngineDied(f"the engine process exited ({self.proc.exitcode})") from None
+        if isinstance(got, EngineDied):
+            raise got
+        return got
+
+    # ----------------------------------------------------------------- requests
+    def prepare(self, params: Any) -> None:
+        """Constraints compile in the child (when the request joins it)."""
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int] | None = None,
+        params: Any = None,
+        priority: str | int = "interactive",
+        messages: list[dict] | None = None,
+        stream: bool = False,
+    ) -> None:
+        if request_id in self._live:
+            raise RequestRejected(f"request id {request_id!r} is already in use")
+        self._orders.append(("add", request_id, prompt, params, priority, messages))
+        self._live[request_id] = None
+        self._queued_adds += 1
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request; its last output received (unfinished completions as "abort")."""
+        if request_id not in self._live:
+            return None
+        self._orders.append(("abort", request_id))
+        out = self._live.pop(request_id)
+        self._send_orders()  # now: with nothing left here, no step() would send it
+        if out is not None:
+            for c in out.outputs:
+                c.finish_reason = c.finish_reason or "abort"
+        return out
+
+    def snapshot(self, request_id: str) -> RequestOutput | None:
+        if request_id not in self._live:
+            return None
+        self._wanted.add(request_id)
+        return self._live[request_id]
+
+    # ----------------------------------------------------------------- state
+    def has_unfinished(self) -> bool:
+        """Requests running, or outputs received and not yet returned by ``step`` (a request's
+        last output may come in while the loop asks for the stats)."""
+        return bool(self._live) or bool(self._outputs)
+
+    def _unapplied(self) -> int:
+        """Requests added here that the child's last report does not count yet."""
+        return self._queued_adds + sum(n for _, n in self._sent_adds)
+
+    def free_capacity(self, lookahead: int = 0) -> int:
+        seats = self.config.max_num_seqs + lookahead - len(self._live)
+        return max(0, min(seats, self._report.capacity + lookahead - self._unapplied()))
+
+    def num_waiting(self) -> int:
+        return self._report.waiting + self._unapplied()
+
+    def unstarted(self) -> list[str]:
+        self._fresh_stats()
+        return [r for r in self._unstarted if r in self._live]
+
+    def heartbeat_stats(self) -> EngineTelemetry:
+        """The child's counters and pool snapshot, asked for now (waiting up to a step for
+        them; else the last ones). Built only when asked: at every step they cost the child
+        ~1% of its time."""
+        self._fresh_stats()
+        return self._stats
+
+    def _fresh_stats(self) -> None:
+        self._stats_asked = True
+        self._orders.append(("stats",))
+        self._send_orders()
+        deadline = time.monotonic() + STATS_WAIT_S
+        while self._stats_asked and (left := deadline - time.monotonic()) > 0:
+            self._receive(left)
+
+    # ----------------------------------------------------------------- stepping
+    def step(self) -> list[RequestOutput]:
+        """Send what was queued; the outputs of the steps the child ran since the last call."""
+        self._send_orders()
+        if not self._outputs:
+            self._receive(STEP_WAIT_S)
+        outs, self._outputs = self._outputs, []
+        return outs
+
+    def _receive(self, wait_s: float) -> None:
+        """Take every report the child sent (waiting up to ``wait_s`` for the first)."""
+        try:
+            if not self.conn.poll(wait_s):
+                self._check_alive()
+                return
+            while True:
+                self._take(self.conn.recv(), self._outputs)
+                if not self.conn.poll(0):
+                    return
+        except (EOFError, OSError) as e:
+            raise EngineDied(f"the engine process ended ({self.proc.exitcode})") from e
+
+    def _send_orders(self) -> None:
+        if self._wanted:
+            self._orders.append(("snapshot", sorted(self._wanted)))
+            self._wanted.clear()
+        pool = self.scheduler.pool
+        if pool.asked:
+            self._orders.append(("lookup", list(pool.asked.items())))
+            pool.asked = {}
+        if not self._orders:
+            return
+        try:
+            self.conn.send(self._orders)
+        except (BrokenPipeError, OSError) as e:
+            raise EngineDied(f"the engine process ended ({self.proc.exitcode})") from e
+        self._orders = []
+        self._sent += 1
+        if self._queued_adds:
+            self._sent_adds.append((self._sent, self._queued_adds))
+            self._queued_adds = 0
+
+    def _check_alive(self) -> None:
+        if not self.proc.is_alive():
+            raise EngineDied(f"the engine process ended ({self.proc.exitcode})")
+
+    def _take(self, rep: Report, outs: list[RequestOutput]) -> None:
+        self._report = rep
+        self.scheduler.pool.take(rep.evictions, rep.lookups)
+        while self._sent_adds and self._sent_adds[0][0] <= rep.orders_done:
+            self._sent_adds.popleft()
+        if rep.stats is not None:
+            self._stats = rep.stats
+            self._stats_asked = False
+        if rep.unstarted is not None:
+            self._unstarted = rep.unstarted
+        live = self._live
+        for rid, snap in rep.snapshots.items():
+            if rid in live:
+                live[rid] = snap
+        for out in rep.outputs:
+            if out.request_id not in live:  # aborted here meanwhile
+                continue
+            if out.finished:
+                del live[out.request_id]
+            else:
+                live[out.request_id] = out
+            outs.append(out)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the child (what it still runs is dropped: the loop handed it back)."""
+        with contextlib.suppress(BrokenPipeError, OSError):
+            self.conn.send(None)
+        self.proc.join(timeout)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(1.0)
+        self.conn.close()
