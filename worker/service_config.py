@@ -95,7 +95,7 @@ class ServiceConfig:
     engine_process: bool = field(
         default=False,
         metadata=opt("step the engine in a child process, beside the service loop "
-                     "(faster at fast steps; prefix admission sees no cached blocks)"),
+                     "(faster at fast steps)"),
     )  # fmt: skip
     # At exit, how long the writer may go on retrying writes that Redis has not taken yet.
     writer_drain_s: float = 5.0
