@@ -9,8 +9,9 @@
 #   4. runs bench.throughput on the GPU in bfloat16: ours against transformers' static batches,
 #   5. where a redis-server is on the PATH, bench.service on the GPU (the service path at GPU step
 #      speeds against the offline engine; its engine_over_offline_wall, engine_off_cpu_share (the
-#      interpreter lock's share of the steps) and loop_service_share split the gap; it needs this
-#      project's service packages: redis, ...).
+#      interpreter lock's share of the steps) and loop_service_share split the gap; the worker
+#      with --engine-process against the same tree's in-process one (service_over_baseline); it
+#      needs this project's service packages: redis, ...).
 # Every step runs even when one before it failed; the exit status says whether all passed.
 # Usage, from the repository root: bash bench/gpu_check.sh   (PYTHON=... to pick an interpreter)
 set -uo pipefail
@@ -34,8 +35,8 @@ step triton-kernels 180 "$PY" -m bench.kernels --triton --repeats 20
 step throughput 300 "$PY" -m bench.throughput --device cuda --dtype bfloat16 --preset full \
   --workload all --systems ours,hf-static --requests 256 --batch-sizes 64,256 --timeout 120
 if command -v redis-server >/dev/null; then
-  step service 240 "$PY" -m bench.service --preset tiny --device cuda --dtype bfloat16 \
-    --rounds 3 --requests 384
+  step service 300 "$PY" -m bench.service --preset tiny --device cuda --dtype bfloat16 \
+    --rounds 3 --requests 384 --worker-flags=--engine-process --baseline-tree .
 else
   echo "=== service: skipped (no redis-server on the PATH)"
 fi
