@@ -36,7 +36,6 @@ SIGTERM (the worker drains and then stops it) and exits when the worker's end of
 from __future__ import annotations
 
 import contextlib
-import logging
 import multiprocessing as mp
 import signal
 import time
@@ -47,10 +46,13 @@ from typing import Any
 
 from pagedserve.telemetry import EngineTelemetry
 from worker.engine import Engine, _load_tokenizer
-from worker.model_source import resolve_model
-from worker.outputs import CompletionOutput, EngineConfig, RequestOutput, RequestRejected
-
-log = logging.getLogger("pagedserve.worker")
+from worker.outputs import (
+    CompletionOutput,
+    EngineConfig,
+    RequestOutput,
+    RequestRejected,
+    refusal,
+)
 
 #: How long ``step`` waits for the child's next report.
 STEP_WAIT_S = 0.05
@@ -188,9 +190,8 @@ def _apply(eng: Engine, orders: list[tuple[Any, ...]], rep: Report) -> bool:
             try:
                 eng.add_request(rid, prompt, params, priority=priority, messages=messages,
                                 stream=False)  # fmt: skip
-            except Exception as e:  # as the loop words an in-process refusal
-                msg = str(e) if isinstance(e, RequestRejected) else f"{type(e).__name__}: {e}"
-                rep.outputs.append(_refused(rid, f"rejected: {msg}"))
+            except Exception as e:  # worded as the loop words an in-process refusal
+                rep.outputs.append(_refused(rid, refusal(e)))
         elif op == "abort":
             eng.abort(args[0])
         elif op == "snapshot":
@@ -232,8 +233,7 @@ class EngineProcess:
         self.model_name = ready.model_name
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
-        self.model_dir = Path(ready.model_dir)
-        self.tokenizer = _load_tokenizer(resolve_model(model))
+        self.tokenizer = _load_tokenizer(Path(ready.model_dir))  # (the child resolved it)
         self.scheduler = SchedulerView(PoolView(ready.num_blocks, ready.block_size))
         self._orders: list[tuple[Any, ...]] = []
         self._sent = 0  # order batches sent
@@ -348,7 +348,7 @@ class EngineProcess:
                 self._check_alive()
                 return
             while True:
-                self._take(self.conn.recv(), self._outputs)
+                self._take(self.conn.recv())
                 if not self.conn.poll(0):
                     return
         except (EOFError, OSError) as e:
@@ -378,7 +378,8 @@ class EngineProcess:
         if not self.proc.is_alive():
             raise EngineDied(f"the engine process ended ({self.proc.exitcode})")
 
-    def _take(self, rep: Report, outs: list[RequestOutput]) -> None:
+    def _take(self, rep: Report) -> None:
+        """Book one report; its outputs wait in ``_outputs`` for the next ``step``."""
         self._report = rep
         self.scheduler.pool.take(rep.evictions, rep.lookups)
         while self._sent_adds and self._sent_adds[0][0] <= rep.orders_done:
@@ -399,7 +400,7 @@ class EngineProcess:
                 del live[out.request_id]
             else:
                 live[out.request_id] = out
-            outs.append(out)
+            self._outputs.append(out)
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the child (what it still runs is dropped: the loop handed it back)."""

@@ -115,3 +115,10 @@ class RequestOutput:
 
 class RequestRejected(ValueError):
     """A request the engine can never serve (prompt too long, unknown token ids, ...)."""
+
+
+def refusal(exc: Exception) -> str:
+    """A job's failure reason for a request the engine would not take: the refusal's own words,
+    or (a tokenizer or template error, say) the error's type and text."""
+    msg = str(exc) if isinstance(exc, RequestRejected) else f"{type(exc).__name__}: {exc}"
+    return f"rejected: {msg}"

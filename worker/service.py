@@ -47,7 +47,7 @@ from pagedserve.telemetry import WorkerHeartbeat
 from worker.admission import PrefixAdmission, claim_round
 from worker.claimer import Claimed, Claimer, ClaimOrder
 from worker.job_state import JobState, partial_result, result_of
-from worker.outputs import RequestOutput, RequestRejected
+from worker.outputs import RequestOutput, RequestRejected, refusal
 from worker.pretokenize import Pretokenizer
 from worker.redis_guard import REDIS_DOWN, RedisDown, RedisGuard
 from worker.service_config import (
@@ -203,12 +203,10 @@ class Worker:
                 messages=messages,
                 stream=False,  # progress is read at intervals (step), not every step
             )
-        except RequestRejected as e:
-            self._fail(lease, f"rejected: {e}")
-            return
-        except Exception as e:  # tokenizer / template errors: the job fails, the worker goes on
-            log.warning("job %s could not be added: %r", lease.job_id, e)
-            self._fail(lease, f"rejected: {type(e).__name__}: {e}")
+        except Exception as e:  # tokenizer / template errors too: the job fails, the worker goes on
+            if not isinstance(e, RequestRejected):
+                log.warning("job %s could not be added: %r", lease.job_id, e)
+            self._fail(lease, refusal(e))
             return
         self.jobs[lease.job_id] = JobState(lease, created_at, req.params.max_tokens)
 
@@ -227,8 +225,7 @@ class Worker:
                 self.engine.add_request(lease.job_id, got, params, priority=prio, stream=False)
             except Exception as e:  # as in _admit_one: the job fails, the worker goes on
                 self.jobs.pop(lease.job_id, None)
-                msg = str(e) if isinstance(e, RequestRejected) else f"{type(e).__name__}: {e}"
-                self._fail(st.lease, f"rejected: {msg}")
+                self._fail(st.lease, refusal(e))
 
     def _fail(self, lease: Lease, reason: str) -> None:
         self._final(Finish(lease, "failed", error=reason))

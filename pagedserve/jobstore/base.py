@@ -10,13 +10,9 @@ from collections.abc import Sequence
 from importlib import resources
 from typing import Any
 
+import hiredis
 import redis
 from redis.commands.core import Script
-
-try:
-    import hiredis
-except ImportError:  # redis-py packs in Python then
-    hiredis = None  # type: ignore[assignment]
 
 from pagedserve.jobstore.records import TRANSIENT_REPLY_ERRORS, ClaimStats, Entry, Lease, LineAdd
 from pagedserve.keys import GROUP, PRIORITIES, Keys
@@ -52,13 +48,12 @@ def _load_lua(name: str) -> str:
 
 def _pack(conn: Any, commands: Sequence[Sequence[Any]]) -> list[bytes]:
     """The commands in RESP, packed by hiredis in C (arguments are str, bytes, int or float;
-    the bytes are those redis-py's encoder makes), or by the connection where it cannot."""
-    if hiredis is not None:
-        try:
-            return [b"".join(hiredis.pack_command(tuple(c)) for c in commands)]
-        except TypeError:  # an argument hiredis does not take: redis-py's checks and error
-            pass
-    return conn.pack_commands(commands)  # type: ignore[no-any-return]
+    the bytes are those redis-py's encoder makes), or by the connection for any other argument
+    (redis-py's checks and its error for, say, a bool)."""
+    try:
+        return [b"".join(hiredis.pack_command(tuple(c)) for c in commands)]
+    except TypeError:
+        return conn.pack_commands(commands)  # type: ignore[no-any-return]
 
 
 def _roundtrip(conn: Any, commands: Sequence[Sequence[Any]]) -> list[Any]:
