@@ -17,7 +17,9 @@ uses, answered from what the child last reported, never by a round trip:
   loop fails the job with it, as it fails one refused in-process); ``abort`` returns the last
   output the child sent for the request (a cancelled job's partial result).
 - ``step`` sends what was queued and returns the outputs of every step the child ran since the
-  last call (waiting up to :data:`STEP_WAIT_S` for one).
+  last call (waiting up to :data:`STEP_WAIT_S` for one). Outputs cross as increments
+  (:mod:`worker.output_delta`: the prompt once, then what each completion gained) and are
+  rebuilt here into the engine's cumulative outputs.
 - ``snapshot`` returns the request's last output received and asks for a new one, which comes
   with the next report: progress is one flush interval behind, the first token and the final
   output are not (they come with the step that made them).
@@ -46,6 +48,7 @@ from typing import Any
 
 from pagedserve.telemetry import EngineTelemetry
 from worker.engine import Engine, _load_tokenizer
+from worker.output_delta import DeltaEncoder, OutputDelta, merge
 from worker.outputs import (
     CompletionOutput,
     EngineConfig,
@@ -115,8 +118,8 @@ class SchedulerView:
 class Report:
     """What the child sends after each step, or after orders that came while it was idle."""
 
-    outputs: list[RequestOutput] = field(default_factory=list)
-    snapshots: dict[str, RequestOutput] = field(default_factory=dict)
+    outputs: list[OutputDelta] = field(default_factory=list)  # the step's (worker.output_delta)
+    snapshots: list[OutputDelta] = field(default_factory=list)  # asked for, made before the step
     orders_done: int = 0  # order batches applied so far
     capacity: int = 0  # admission_capacity(n) - n for a large n: the seats and blocks left
     waiting: int = 0
@@ -150,7 +153,7 @@ def _serve(conn: Any, model: str, cfg: EngineConfig) -> None:
     pool = eng.scheduler.pool
     conn.send(Ready(eng.model_name, eng.max_model_len, eng.vocab_size, pool.num_blocks,
                     pool.block_size, str(eng.model_dir)))  # fmt: skip
-    done, stats_wanted = 0, False
+    done, stats_wanted, enc = 0, False, DeltaEncoder()
     while True:
         rep = Report()
         if not eng.has_unfinished() or conn.poll(0):
@@ -163,10 +166,10 @@ def _serve(conn: Any, model: str, cfg: EngineConfig) -> None:
             for orders in batches:
                 if orders is None:  # stop
                     return
-                stats_wanted |= _apply(eng, orders, rep)
+                stats_wanted |= _apply(eng, orders, rep, enc)
                 done += 1
         if eng.has_unfinished():
-            rep.outputs += eng.step()
+            rep.outputs += map(enc.encode, eng.step())
         rep.orders_done = done
         rep.capacity = eng.free_capacity(_BIG) - _BIG
         rep.waiting = eng.num_waiting()
@@ -181,7 +184,7 @@ def _serve(conn: Any, model: str, cfg: EngineConfig) -> None:
             return
 
 
-def _apply(eng: Engine, orders: list[tuple[Any, ...]], rep: Report) -> bool:
+def _apply(eng: Engine, orders: list[tuple[Any, ...]], rep: Report, enc: DeltaEncoder) -> bool:
     """Carry out one batch of orders; True if it asks for the stats."""
     stats = False
     for op, *args in orders:
@@ -191,14 +194,15 @@ def _apply(eng: Engine, orders: list[tuple[Any, ...]], rep: Report) -> bool:
                 eng.add_request(rid, prompt, params, priority=priority, messages=messages,
                                 stream=False)  # fmt: skip
             except Exception as e:  # worded as the loop words an in-process refusal
-                rep.outputs.append(_refused(rid, refusal(e)))
+                rep.outputs.append(enc.encode(_refused(rid, refusal(e))))
         elif op == "abort":
             eng.abort(args[0])
+            enc.forget(args[0])
         elif op == "snapshot":
             for rid in args[0]:
                 snap = eng.snapshot(rid)
                 if snap is not None:
-                    rep.snapshots[rid] = snap
+                    rep.snapshots.append(enc.encode(snap))
         elif op == "stats":
             stats = True
         elif op == "lookup":
@@ -390,16 +394,17 @@ class EngineProcess:
         if rep.unstarted is not None:
             self._unstarted = rep.unstarted
         live = self._live
-        for rid, snap in rep.snapshots.items():
-            if rid in live:
-                live[rid] = snap
-        for out in rep.outputs:
-            if out.request_id not in live:  # aborted here meanwhile
+        for delta in rep.snapshots:
+            if (rid := delta[0]) in live:
+                live[rid] = merge(live[rid], delta)
+        for delta in rep.outputs:
+            if (rid := delta[0]) not in live:  # aborted here meanwhile
                 continue
+            out = merge(live[rid], delta)
             if out.finished:
-                del live[out.request_id]
+                del live[rid]
             else:
-                live[out.request_id] = out
+                live[rid] = out
             self._outputs.append(out)
 
     def close(self, timeout: float = 10.0) -> None:
