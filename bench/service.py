@@ -18,7 +18,12 @@ steps, ``engine_off_cpu_share`` is the part the stepping thread spent off the CP
 interpreter lock held by the worker's writer or claimer thread, or preempted), and
 ``steps_over_offline`` compares the engine steps each ran (from the heartbeat; > 1: the worker's
 batches were smaller, e.g. while its first claims came in). With ``--worker-flags=--engine-process``
-the worker's engine steps in a child process: its loop clock then times the waits for it.
+the worker's engine steps in a child process: its loop clock then times the waits for it, and
+``engine_thread_cpu_over_offline`` compares that process's stepping thread's CPU time (its steps
+and its reports) with the offline engine's. With one torch thread on a CPU machine of two or more
+CPUs, each round pins the offline engine and each worker's stepping thread to the same CPU, the
+rounds taking the CPUs in turn (``pinned_cpus``; ``--no-pin``): a small VM's vCPUs can differ in
+speed, and the scheduler's placement otherwise biased whole runs.
 
 Usage: ``python -m bench.service [--model DIR|FILE.gguf | --preset tiny|bench|smollm2]
 [--requests 96] [--rounds 3] [--baseline-tree DIR] [--worker-flags "..."]
@@ -38,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -206,6 +212,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--worker-flags", default="",
                     help="extra flags for the service worker only (an A/B of a flag, with "
                          "--baseline-tree set to this tree)")  # fmt: skip
+    ap.add_argument("--baseline-flags", default="",
+                    help="extra flags for the baseline worker only (an A/B of code under a "
+                         "flag: the same flags on both)")  # fmt: skip
+    ap.add_argument("--no-pin", action="store_true",
+                    help="leave the engines' threads where the scheduler puts them")  # fmt: skip
     ap.add_argument("--threads", type=int, default=1, help="torch threads (both runs)")
     ap.add_argument("--device", default="cpu", help="cpu | cuda[:n] (both runs)")
     ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (both runs)")
@@ -217,12 +228,57 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def cpu_s(pid: int | None = None) -> float:
-    """CPU seconds (user + system) of this process, or of process ``pid`` (Linux ``/proc``)."""
+def cpu_s(pid: int | None = None, thread: bool = False) -> float:
+    """CPU seconds (user + system) of this process, or of process ``pid`` (Linux ``/proc``);
+    ``thread``: of the thread ``pid`` only (a process's main thread has the process's id)."""
     if pid is None:
         return time.process_time()
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    path = f"/proc/{pid}/task/{pid}/stat" if thread else f"/proc/{pid}/stat"
+    fields = Path(path).read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def engine_thread(worker_pid: int) -> int:
+    """The thread that steps a worker's engine: its engine process's main thread under
+    ``--engine-process`` (a ``multiprocessing`` spawn child), else the worker's main thread."""
+    try:
+        kids = Path(f"/proc/{worker_pid}/task/{worker_pid}/children").read_text().split()
+    except OSError:
+        return worker_pid
+    for kid in kids:
+        with contextlib.suppress(OSError):
+            cmd = Path(f"/proc/{kid}/cmdline").read_bytes()
+            if b"spawn_main" in cmd and b"pipe_handle" in cmd:  # (not the resource tracker)
+                return int(kid)
+    return worker_pid
+
+
+def pin_cpus(args: argparse.Namespace) -> list[int]:
+    """The CPUs the engines' threads take turns on, one per round (empty: no pinning).
+
+    Why: the vCPUs of a small cloud VM are not equally fast (a KVM Zen 4 here: a Python loop
+    took 9% longer on CPU 1 than on CPU 0, steadily), so wherever the scheduler happened to put
+    the offline engine and each worker's stepping thread biased a run's ratios by that much.
+    Pinned, every system steps on the same CPU within a round, and the rounds alternate CPUs."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if args.no_pin or args.threads != 1 or args.device != "cpu" or len(cpus) < 2:
+        return []
+    return cpus
+
+
+@contextlib.contextmanager
+def pinned(tid: int, cpu: int | None) -> Iterator[None]:
+    """Thread ``tid`` (0: the calling one) on ``cpu`` only, for the block (None: as it is)."""
+    if cpu is None:
+        yield
+        return
+    before = os.sched_getaffinity(tid)
+    os.sched_setaffinity(tid, {cpu})
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):  # (a worker that died meanwhile)
+            os.sched_setaffinity(tid, before)
 
 
 def run_rounds(
@@ -232,11 +288,13 @@ def run_rounds(
     output tok/s and CPU seconds (this process for the offline engine, the worker process for a
     worker); for a worker also the CPU seconds of its redis-server and of this process (the
     client submitting and polling) meanwhile, which share the machine's cores with the worker.
-    Round ``r`` runs workload seed ``seed + r`` on each, in an order rotated by one every round."""
+    Round ``r`` runs workload seed ``seed + r`` on each, in an order rotated by one every round,
+    each system's stepping thread pinned to the round's CPU (:func:`pin_cpus`)."""
     systems = ["offline", *workers]
     got: dict[str, dict[str, list[float]]] = {
         n: {"tok_s": [], "cpu_s": [], "redis_cpu_s": [], "client_cpu_s": [], "wall_s": [],
-            "loop_engine_s": [], "loop_service_s": [], "loop_engine_cpu_s": [], "steps": []}
+            "loop_engine_s": [], "loop_service_s": [], "loop_engine_cpu_s": [], "steps": [],
+            "engine_thread_cpu_s": []}
         for n in systems
     }  # fmt: skip
     if args.warmup_requests:  # not timed: first-seen shapes (Triton JIT, oneDNN) cost a round
@@ -244,22 +302,29 @@ def run_rounds(
         run_offline(eng, warm, "warm")
         for url, _, _ in workers.values():
             run_service(url, warm)
+    cpus = pin_cpus(args)
+    threads = {name: engine_thread(w[1]) for name, w in workers.items()}
     for r in range(args.rounds):
         wl = make_mixed(args.requests, vocab, args.seed + r)
         k = r % len(systems)
+        cpu = cpus[r % len(cpus)] if cpus else None
         for name in systems[k:] + systems[:k]:
             pid = None if name == "offline" else workers[name][1]
             if name == "offline":
                 cpu0, steps0 = cpu_s(), eng.heartbeat_stats().steps
-                wall = run_offline(eng, wl, f"r{r}")
+                with pinned(0, cpu):
+                    wall = run_offline(eng, wl, f"r{r}")
                 got[name]["cpu_s"].append(cpu_s() - cpu0)
                 got[name]["steps"].append(eng.heartbeat_stats().steps - steps0)
             else:
                 url = workers[name][0]
                 loop0 = loop_seconds(url, time.time())
                 redis0, client0, cpu0 = cpu_s(workers[name][2]), cpu_s(), cpu_s(pid)
-                wall = run_service(url, wl)
+                thread0 = cpu_s(threads[name], thread=True)
+                with pinned(threads[name], cpu):
+                    wall = run_service(url, wl)
                 got[name]["cpu_s"].append(cpu_s(pid) - cpu0)
+                got[name]["engine_thread_cpu_s"].append(cpu_s(threads[name], thread=True) - thread0)
                 got[name]["redis_cpu_s"].append(cpu_s(workers[name][2]) - redis0)
                 got[name]["client_cpu_s"].append(cpu_s() - client0)
                 loop1 = loop_seconds(url, time.time())
@@ -303,7 +368,8 @@ def summary(got: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
         out[f"{name}_tok_s"] = round(statistics.median(xs), 1)
         out[f"{name}_tok_s_rounds"] = [round(x, 1) for x in xs]
         for what in ("cpu_s", "redis_cpu_s", "client_cpu_s", "wall_s", "loop_engine_s",
-                     "loop_service_s", "loop_engine_cpu_s", "steps"):  # fmt: skip
+                     "loop_service_s", "loop_engine_cpu_s", "steps",
+                     "engine_thread_cpu_s"):  # fmt: skip
             if got[name][what]:
                 out[f"{name}_{what}_rounds"] = [round(x, 3) for x in got[name][what]]
         engine = got[name]["loop_engine_s"]
@@ -320,6 +386,11 @@ def summary(got: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
             if len(cpu) == len(engine):  # the stepping thread off the CPU mid-step
                 off = [1 - c / e for c, e in zip(cpu, engine, strict=True) if e > 0]
                 out[f"{name}_engine_off_cpu_share"] = round(statistics.median(off), 4)
+            thread = got[name]["engine_thread_cpu_s"]
+            if len(thread) == len(xs):  # the stepping thread's CPU (the engine process's main
+                # thread under --engine-process: its steps and reports) against the offline's
+                ratios = [a / b for a, b in zip(thread, got["offline"]["cpu_s"], strict=True)]
+                out[f"{name}_engine_thread_cpu_over_offline"] = round(statistics.median(ratios), 3)
             steps, offline_steps = got[name]["steps"], got["offline"]["steps"]
             if len(steps) == len(offline_steps) == len(xs):  # > 1: smaller batches than offline
                 ratios = [a / b for a, b in zip(steps, offline_steps, strict=True) if b > 0]
@@ -348,7 +419,8 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             server = stack.enter_context(LocalRedisServer())
             url = server.url
-            extra = tuple(shlex.split(args.worker_flags)) if system == "service" else ()
+            flags = args.worker_flags if system == "service" else args.baseline_flags
+            extra = tuple(shlex.split(flags))
             proc = start_worker(url, model, args, work / f"{system}.log", extra, tree=tree)
             stack.callback(proc.wait, 60)
             stack.callback(proc.terminate)
@@ -368,6 +440,7 @@ def main(argv: list[str] | None = None) -> None:
         "output_tokens": wl.output_tokens,
         "threads": args.threads,
         "rounds": args.rounds,
+        "pinned_cpus": pin_cpus(args),  # round r's engines on pinned_cpus[r % len]
         **summary(got),
         "submit_many_jobs_per_s": round(jobs_per_s, 1),
         "enqueue_to_first_token_ms": round(ttft * 1e3, 2),

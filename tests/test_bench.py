@@ -9,9 +9,12 @@ against the benchmark's own ``2 x params x tokens`` formula.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -365,6 +368,46 @@ def test_service_bench_warms_every_system_then_times_rounds(
     assert 0 < cpu <= engine + 0.01
     # (from the unrounded seconds: the rounds' figures above are rounded to 1 ms)
     assert rec["service_engine_off_cpu_share"] == pytest.approx(1 - cpu / engine, abs=0.015)
+    (thread,) = rec["service_engine_thread_cpu_s_rounds"]  # the worker's main thread, in-process
+    assert cpu - 0.02 <= thread <= wall + 0.02
+    cpus = sorted(os.sched_getaffinity(0))
+    assert rec["pinned_cpus"] == (cpus if len(cpus) > 1 else [])
+
+
+_SPAWNS_A_CHILD = """
+import multiprocessing, sys, time
+if __name__ == "__main__":
+    child = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(60,))
+    child.start()
+    print(child.pid, flush=True)
+    time.sleep(60)
+"""
+
+
+def test_service_bench_finds_and_pins_the_engine_processes_thread(tmp_path: Path) -> None:
+    """``bench.service`` pins each system's stepping thread for a round: a worker's own main
+    thread, or under ``--engine-process`` its spawned child's (not the resource tracker)."""
+    from bench import service
+
+    script = tmp_path / "spawns.py"
+    script.write_text(_SPAWNS_A_CHILD)
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    child = None
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        assert service.engine_thread(parent.pid) == child
+        assert service.engine_thread(child) == child  # no spawned child: its own main thread
+        cpu, before = max(os.sched_getaffinity(0)), os.sched_getaffinity(child)
+        with service.pinned(child, cpu):
+            assert os.sched_getaffinity(child) == {cpu}
+        assert os.sched_getaffinity(child) == before
+    finally:
+        parent.kill()
+        parent.wait()
+        if child is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
 
 
 def test_redis_cost_counts_what_a_real_worker_asks_of_redis(
