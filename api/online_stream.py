@@ -41,15 +41,17 @@ def sse_data(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
-def follow_job(state: AppState, call: OnlineCall, job_id: str) -> Iterator[Any]:
+def follow_job(state: AppState, call: OnlineCall, job_id: str, watch: bool = True) -> Iterator[Any]:
     """The job's events (:func:`pagedserve.events.follow_events`) until the call's deadline,
-    or until the client went away (then the request's release cancels the job)."""
+    or until the client went away (then the request's release cancels the job); ``watch``:
+    the deltas are streamed to the client (the worker writes them at the streaming pace)."""
     return follow_events(
         state.store,
         job_id,
         count=256,
         block_ms=lambda: state.config.sse_block_ms,
         keep_going=lambda: time.monotonic() < call.deadline and not call.gone(),
+        watch=watch,
     )
 
 

@@ -157,7 +157,7 @@ def cancel_jobs(state: AppState, job_ids: list[str]) -> None:
 def wait_record(state: AppState, call: OnlineCall, job_id: str) -> JobRecord | None:
     """The job's record once it ended, or as it stands when the deadline passed (``None``: it
     expired or vanished)."""
-    for item in follow_job(state, call, job_id):
+    for item in follow_job(state, call, job_id, watch=False):  # (the answer is the record)
         if isinstance(item, Gone) or (isinstance(item, DeltaEvent) and item.type == "end"):
             break
     return state.store.get(job_id)

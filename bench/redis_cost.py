@@ -105,8 +105,8 @@ def run_once(model: Path, args: argparse.Namespace, interval_ms: float, work: Pa
     vocab, _ = model_numbers(model)
     wl = make_mixed(args.requests, vocab, args.seed)
     with LocalRedisServer() as server:
-        # The jobs are bulk ones: the interval measured applies to them too (their own default,
-        # --bulk-progress-interval-ms, is longer).
+        # No reader follows these jobs (bulk ones): their pace is --bulk-progress-interval-ms,
+        # set to the interval measured like the streamed jobs' pace.
         extra = ("--progress-interval-ms", str(interval_ms),
                  "--bulk-progress-interval-ms", str(interval_ms))  # fmt: skip
         proc = start_worker(server.url, model, args, work / f"worker-{interval_ms}.log", extra)

@@ -11,10 +11,19 @@ A ``restart`` event is passed through like any other: it means the job started o
 died and another leased it, or a draining worker handed it back), and the earlier run's deltas
 are trimmed from the stream, so a reader from the start sees only the new run; a follower
 discards what it has and goes on (see ``pagedserve.client.accumulate``).
+
+While it follows a job, a reader keeps the job's watch key set (``{prefix}:watch:{job}``, renewed
+well within :data:`WATCH_TTL_MS`): the worker writes a watched job's progress at the streaming
+pace (``progress_interval_ms``, 50 ms) and a job nobody follows at ``bulk_progress_interval_ms``
+(500 ms), so that the deltas of the many jobs no one streams (a pipeline waiting for results, a
+non-streamed API call) cost Redis and the worker a tenth as many writes. A reader that starts
+while the job runs gets what was written so far at once, then deltas at the slower pace until
+the worker's next write of that job sees the key.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -29,6 +38,8 @@ if TYPE_CHECKING:
 
 #: The first id of every stream: read from here to get a job's events from its first one.
 FIRST_ID = "0-0"
+#: How long a reader's watch of a job lasts unless renewed (a reader renews it at a third).
+WATCH_TTL_MS = 30_000
 
 
 @dataclass(frozen=True)
@@ -63,13 +74,19 @@ def follow_events(
     count: int,
     block_ms: Callable[[], int],
     keep_going: Callable[[], bool] = lambda: True,
+    watch: bool = True,
 ) -> Iterator[DeltaEvent | Idle | Gone]:
     """The job's events after ``last`` in order, ending after the ``end`` event or a
     :class:`Gone`; an :class:`Idle` after each blocking read (``block_ms()`` ms, asked before
     each) that found nothing. ``keep_going()`` is asked before each read: once false, the
-    iterator ends (the caller's time limit)."""
-    r, key = store.r, store.keys.events(job_id)
+    iterator ends (the caller's time limit). ``watch``: keep the job's watch key set (a reader
+    that shows the deltas as they come; one that only waits for the end passes False)."""
+    r, key, watch_key = store.r, store.keys.events(job_id), store.keys.watch(job_id)
+    renew_at = 0.0 if watch else float("inf")
     while keep_going():
+        if (now := time.monotonic()) >= renew_at:
+            r.set(watch_key, 1, px=WATCH_TTL_MS)
+            renew_at = now + WATCH_TTL_MS / 3e3
         events = _read(r, key, last, count, block_ms())
         for ev in events:
             last = ev.id

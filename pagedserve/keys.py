@@ -143,6 +143,11 @@ class Keys:
     def events(self, job_id: str) -> str:
         return f"{self._in(self.shard(job_id))}:events:{job_id}"
 
+    def watch(self, job_id: str) -> str:
+        """Set (with a time to live) while a reader follows the job's events: its worker then
+        writes the job's progress at the streaming pace (``progress.lua``)."""
+        return f"{self._in(self.shard(job_id))}:watch:{job_id}"
+
     def idem(self, key: str) -> str:
         return f"{self._in(self.idem_shard(key))}:idem:{key}"
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.client import accumulate
-from pagedserve.events import FIRST_ID, Gone, Idle, follow_events
+from pagedserve.events import FIRST_ID, WATCH_TTL_MS, Gone, Idle, follow_events
 from pagedserve.schemas import Completion, DeltaEvent, JobRequest, JobResult, JobStatus
-from pagedserve.store import JobStore
+from pagedserve.store import JobStore, Progress
 
 
 @pytest.fixture
@@ -68,3 +68,24 @@ def test_reader_stops_when_told(store: JobStore) -> None:
     job, _ = store.enqueue("j4", JobRequest(prompt="hi"))
     items = list(follow_events(store, job, count=8, block_ms=lambda: 1, keep_going=lambda: False))
     assert items == []
+
+
+def test_a_reader_marks_the_job_watched_and_the_worker_hears_of_it(store: JobStore) -> None:
+    """A follower keeps the job's watch key set (with a time to live); a progress write then
+    tells the worker that someone streams the job (``StepResult.watched``). A reader that only
+    waits for the end (``watch=False``) does not."""
+    job, _ = store.enqueue("j5", JobRequest(prompt="hi"))
+    lease = store.claim("w", 1)[0]
+    first = store.commit_step(progress=[Progress(lease, 1, "a", [5])])
+    assert first.watched == {job: False} and not first.lost
+    waiting_only = follow_events(store, job, count=2, block_ms=lambda: 1, watch=False)
+    assert isinstance(next(waiting_only), DeltaEvent)
+    assert not store.r.exists(store.keys.watch(job))
+    assert isinstance(_follow(store, job)[-1], Idle)
+    assert 0 < store.r.pttl(store.keys.watch(job)) <= WATCH_TTL_MS
+    again = store.commit_step(progress=[Progress(lease, 2, "b", [6])])
+    assert again.watched == {job: True}
+    store.r.delete(store.keys.watch(job))  # the reader went away: its key lapsed
+    assert store.commit_step(progress=[Progress(lease, 3, "c", [7])]).watched == {job: False}
+    events = [x for x in _follow(store, job) if isinstance(x, DeltaEvent)]
+    assert accumulate(events).texts == {0: "abc"}  # every delta written, watched or not

@@ -5,6 +5,7 @@ for later while the loop goes on, and one job's refused write fails that job onl
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -282,11 +283,13 @@ def test_loop_drops_a_job_only_for_its_own_fence_and_fails_refused_writes(
     assert w.writer.close(5)
 
 
-def test_bulk_jobs_progress_is_written_at_its_own_interval(
+def test_progress_of_jobs_no_reader_follows_is_written_at_the_bulk_interval(
     make_worker: Any, redis_url: str, loop_engine: Engine
 ) -> None:
-    """Interactive jobs stream at ``progress_interval_ms``; bulk jobs write their first token at
-    once, then their deltas only every ``bulk_progress_interval_ms``; both end complete."""
+    """A job a reader follows (``Client.stream`` keeps its watch key set) streams at
+    ``progress_interval_ms``; jobs nobody follows, interactive or bulk, write their first token
+    at once, then their deltas only every ``bulk_progress_interval_ms``; all end complete, and
+    the reader got every token."""
     store = JobStore(redis_url, lease_ms=60_000)
     cfg = ServiceConfig(
         worker_id="w", redis_url=redis_url, progress_interval_ms=1, bulk_progress_interval_ms=60_000
@@ -294,22 +297,33 @@ def test_bulk_jobs_progress_is_written_at_its_own_interval(
     w = make_worker(loop_engine, store, cfg)
     client = Client(redis_url)
     long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
-    fast, bulk = client.submit([5, 6, 7], long), client.submit([5, 6, 7], long, priority="bulk")
+    followed, alone = client.submit([5, 6, 7], long), client.submit([5, 6, 7], long)
+    bulk = client.submit([5, 6, 7], long, priority="bulk")
+    streamed: list[Any] = []
+    reader = threading.Thread(target=lambda: streamed.extend(Client(redis_url).stream(followed)))
+    reader.start()
+    deadline = time.monotonic() + 10
+    while not store.r.exists(store.keys.watch(followed)) and time.monotonic() < deadline:
+        time.sleep(0.005)  # the reader keeps it set from its first read on
 
     def generated(jid: str) -> int:  # the engine's count (the worker reads it at flushes)
         out = w.engine.snapshot(jid)
         return 0 if out is None else len(out.outputs[0].token_ids)
 
-    run_loop_until(w, lambda: min(generated(fast), generated(bulk)) >= 40)
+    run_loop_until(w, lambda: min(generated(j) for j in (followed, alone, bulk)) >= 40)
     assert w.writer.flush(10)
-    recs = {r.id: r for r in client.store.get_many([fast, bulk]) if r is not None}
-    assert recs[fast].tokens_generated >= 30  # written as it went
-    assert 1 <= recs[bulk].tokens_generated <= 2  # the first token, at once; no more yet
-    assert [e.type for e in events(store, bulk)].count("delta") == 1
-    run_loop_until(w, lambda: all(s.terminal for s in client.store.statuses([fast, bulk])))
-    for jid in (fast, bulk):  # the final write carries everything
+    recs = {r.id: r for r in client.store.get_many([followed, alone, bulk]) if r is not None}
+    assert recs[followed].tokens_generated >= 30  # written as it went
+    for jid in (alone, bulk):
+        assert 1 <= recs[jid].tokens_generated <= 2  # the first token, at once; no more yet
+        assert [e.type for e in events(store, jid)].count("delta") == 1
+    jobs = (followed, alone, bulk)
+    run_loop_until(w, lambda: all(s.terminal for s in client.store.statuses(list(jobs))))
+    reader.join(10)
+    for jid in jobs:  # the final write carries everything
         rec = client.get(jid)
         assert rec is not None and rec.status == JobStatus.SUCCEEDED and rec.tokens_generated == 200
         assert rec.result is not None
         assert accumulate(events(store, jid)).token_ids[0] == rec.result.completions[0].token_ids
+    assert accumulate(streamed).token_ids[0] == client.get(followed).result.completions[0].token_ids
     assert w.writer.close(5)

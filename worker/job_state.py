@@ -22,6 +22,9 @@ class JobState:
     #: Per completion index: (tokens, characters) already published as progress.
     published: dict[int, tuple[int, int]] = field(default_factory=dict)
     first_token_seen: bool = False
+    #: A reader follows the job's events (its last progress write said so): its progress goes
+    #: at the streaming pace (``progress_interval_ms``), else at ``bulk_progress_interval_ms``.
+    watched: bool = False
 
     @property
     def tokens(self) -> int:

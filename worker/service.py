@@ -337,7 +337,7 @@ class Worker:
             every = now >= self.next_bulk_flush
             if every:
                 self.next_bulk_flush = now + self.cfg.bulk_progress_interval_s
-            flush += [st for st in jobs.values() if every or st.lease.priority != "bulk"]
+            flush += [st for st in jobs.values() if every or st.watched]
         for st in flush:
             if st.latest is not None:  # started (finished jobs have left ``jobs``)
                 st.latest = self.engine.snapshot(st.lease.job_id) or st.latest
@@ -380,6 +380,9 @@ class Worker:
 
     def _on_report(self, res: StepResult) -> None:
         self.telemetry.finished_counts.update(res.finished)
+        for jid, watched in res.watched.items():
+            if (st := self.jobs.get(jid)) is not None:
+                st.watched = watched
         for jid, fence in res.refused:
             st = self.jobs.get(jid)
             if st is not None and st.lease.fence == fence:  # not a newer lease of the job

@@ -42,13 +42,15 @@ class ServiceConfig:
     )
     progress_interval_ms: float = field(
         default=50.0,
-        metadata=opt("at most one progress write per interactive job per this many ms"),
+        metadata=opt("at most one progress write per streamed job per this many ms"),
     )
-    # Bulk jobs (batch files, submit_many) are rarely streamed: their deltas and token counts are
-    # written this often (their first token at once, as for every job). At fast steps the
-    # progress writes of a full batch were the worker's largest Redis cost (bench.service).
+    # Jobs no reader follows (pagedserve.events: a follower keeps the job's watch key set), bulk
+    # or interactive: their deltas and token counts are written this often (their first token at
+    # once, as for every job). At fast steps the progress writes of a full batch were the
+    # worker's largest Redis cost (bench.service, bench.redis_cost).
     bulk_progress_interval_ms: float = field(
-        default=500.0, metadata=opt("at most one progress write per bulk job per this many ms")
+        default=500.0,
+        metadata=opt("at most one progress write per job no reader streams per this many ms"),
     )
     heartbeat_s: float = field(
         default=1.0, metadata=opt("seconds between heartbeats (the API's view of this worker)")

@@ -93,7 +93,7 @@ class Commits(StoreBase):
             if not groups or self.cluster:
                 groups.append(([], [self.events_maxlen], []))
             keys, args, leases = groups[-1]
-            keys += (self.keys.job(jid), self.keys.events(jid))
+            keys += (self.keys.job(jid), self.keys.events(jid), self.keys.watch(jid))
             args += (p.lease.fence, p.tokens_generated, p.index, p.delta_text, ids, p.end)
             leases.append(p.lease)
         return [(("progress", keys, args), leases) for keys, args, leases in groups]
@@ -131,6 +131,8 @@ class Commits(StoreBase):
                 if isinstance(r, bytes | str):  # that job's error, caught in the script
                     r = redis.ResponseError(r.decode() if isinstance(r, bytes) else r)
                 self._take_reply(out, ended, lease, None, r)
+                if r in (1, 2):
+                    out.watched[lease.job_id] = r == 2
         replies = replies[len(deltas) :]
         for (lease, fin), reply in zip(sent, replies, strict=False):
             self._take_reply(out, ended, lease, fin, reply)

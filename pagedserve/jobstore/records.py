@@ -184,6 +184,9 @@ class StepResult:
     #: The status of every final write Redis took (not refused, no error): what the worker
     #: counts as finished.
     finished: list[str] = field(default_factory=list)
+    #: Per job whose progress was written: whether a reader follows its events (its watch key
+    #: is set), so that the worker writes its progress at the streaming pace.
+    watched: dict[str, bool] = field(default_factory=dict)
 
 
 @dataclass
