@@ -10,7 +10,8 @@ worker on this machine, not a fleet measurement; with N Cluster shards that spre
 it scales by N. Prints one JSON line.
 
 Usage: ``python -m bench.redis_cost [--preset tiny|bench|smollm2] [--requests 48]
-[--progress-intervals-ms 50,200]``
+[--progress-intervals-ms 50,200|default] [--priority bulk|interactive]`` (``default``: the
+worker's own paces, e.g. for interactive jobs that no reader streams).
 """
 
 from __future__ import annotations
@@ -87,9 +88,9 @@ def cost_of(d: dict[str, Any], jobs: int, tokens: int, steps: int) -> dict[str, 
     }
 
 
-def requests_of(wl: Workload) -> list[JobRequest]:
+def requests_of(wl: Workload, priority: str = "bulk") -> list[JobRequest]:
     return [
-        JobRequest(prompt=p, params=sp, priority="bulk")
+        JobRequest(prompt=p, params=sp, priority=priority)  # type: ignore[arg-type]
         for p, sp in zip(wl.prompts, params_of(wl), strict=True)
     ]
 
@@ -101,21 +102,24 @@ def check(recs: list[JobRecord], tokens: int) -> None:
         raise RuntimeError(f"{len(bad)} jobs failed; {got} of {tokens} tokens")
 
 
-def run_once(model: Path, args: argparse.Namespace, interval_ms: float, work: Path) -> dict:
+def run_once(model: Path, args: argparse.Namespace, interval_ms: float | None, work: Path) -> dict:
+    """One run at ``interval_ms`` (None: the worker's default paces)."""
     vocab, _ = model_numbers(model)
     wl = make_mixed(args.requests, vocab, args.seed)
     with LocalRedisServer() as server:
-        # No reader follows these jobs (bulk ones): their pace is --bulk-progress-interval-ms,
-        # set to the interval measured like the streamed jobs' pace.
-        extra = ("--progress-interval-ms", str(interval_ms),
-                 "--bulk-progress-interval-ms", str(interval_ms))  # fmt: skip
+        # No reader follows these jobs: their pace is --bulk-progress-interval-ms, set to the
+        # interval measured like the streamed jobs' pace.
+        extra: tuple[str, ...] = ()
+        if interval_ms is not None:
+            extra = ("--progress-interval-ms", str(interval_ms),
+                     "--bulk-progress-interval-ms", str(interval_ms))  # fmt: skip
         proc = start_worker(server.url, model, args, work / f"worker-{interval_ms}.log", extra)
         try:
             r = redis.Redis.from_url(server.url, decode_responses=True)
             steps0 = worker_steps(server.url)
             start = snapshot(r)
             client = Client(server.url)
-            ids = client.submit_requests(requests_of(wl))
+            ids = client.submit_requests(requests_of(wl, args.priority))
             submitted = snapshot(r)
             # Polling once a second keeps the client's own reads out of the serving figures.
             recs = client.wait_many(ids, timeout=3600, poll_s=1.0)
@@ -129,7 +133,8 @@ def run_once(model: Path, args: argparse.Namespace, interval_ms: float, work: Pa
     enqueue = delta(start, submitted)
     serve = cost_of(delta(submitted, after), args.requests, wl.output_tokens, steps)
     return {
-        "progress_interval_ms": interval_ms,
+        "progress_interval_ms": interval_ms if interval_ms is not None else "default",
+        "priority": args.priority,
         "enqueue_commands_per_job": round(enqueue["commands"] / args.requests, 2),
         "enqueue_bytes_in_per_job": round(enqueue["bytes_in"] / args.requests, 1),
         **serve,
@@ -148,9 +153,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--device", default="cpu", help="cpu | cuda[:n] (the worker's)")
     ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
-    ap.add_argument("--progress-intervals-ms", default="50,200")
+    ap.add_argument("--progress-intervals-ms", default="50,200",
+                    help="comma-separated; 'default': the worker's own paces")  # fmt: skip
+    ap.add_argument("--priority", choices=("bulk", "interactive"), default="bulk")
     args = ap.parse_args(argv)
-    intervals = [float(x) for x in args.progress_intervals_ms.split(",") if x.strip()]
+    intervals = [
+        None if x.strip() == "default" else float(x)
+        for x in args.progress_intervals_ms.split(",")
+        if x.strip()
+    ]
     with tempfile.TemporaryDirectory(prefix="psbench-redis-") as tmp:
         work = Path(tmp)
         name, model = pick_model(args, work)

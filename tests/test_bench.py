@@ -418,11 +418,13 @@ def test_redis_cost_counts_what_a_real_worker_asks_of_redis(
     (It had stopped starting its worker when ``bench.service`` grew ``--device``/``--dtype``.)"""
     from bench import redis_cost
 
-    redis_cost.main(["--model", str(tiny_model_dir), "--requests", "4",
-                     "--progress-intervals-ms", "200"])  # fmt: skip
+    redis_cost.main(["--model", str(tiny_model_dir), "--requests", "4", "--priority",
+                     "interactive", "--progress-intervals-ms", "200,default"])  # fmt: skip
     rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    (run,) = rec["runs"]
+    run, default = rec["runs"]
     assert rec["requests"] == 4 and run["progress_interval_ms"] == 200.0
+    assert default["progress_interval_ms"] == "default" and default["priority"] == "interactive"
+    assert default["commands_per_job"] > 0
     # every job was enqueued (at least its stream entry and its hash) and then served
     assert run["enqueue_commands_per_job"] >= 2 and run["commands_per_job"] > 0
     assert run["steps"] > 0 and run["output_tok_s"] > 0
