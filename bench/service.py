@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import multiprocessing as mp
 import os
 import shlex
 import statistics
@@ -44,6 +45,8 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -145,11 +148,12 @@ def start_worker(
     cmd = [sys.executable, "-m", "stack", "worker", "--model", str(model),
            "--worker-id", "bench", "--log-level", "WARNING", *engine_options(args)]  # fmt: skip
     cmd += extra
-    with log.open("wb") as f:
+    started = time.time()  # (a restarted worker's predecessor may still be listed)
+    with log.open("ab") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=tree)
     store = JobStore(url)
     deadline = time.monotonic() + 300
-    while "bench" not in store.workers():
+    while float(store.workers().get("bench", {}).get("last_seen", 0.0)) <= started:
         if proc.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"worker did not start:\n{log.read_text()[-3000:]}")
         time.sleep(0.05)
@@ -215,6 +219,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--baseline-flags", default="",
                     help="extra flags for the baseline worker only (an A/B of code under a "
                          "flag: the same flags on both)")  # fmt: skip
+    ap.add_argument("--fresh", action="store_true",
+                    help="new processes for every system each round (restarted workers, "
+                         "the offline engine in a spawned child)")  # fmt: skip
     ap.add_argument("--no-pin", action="store_true",
                     help="leave the engines' threads where the scheduler puts them")  # fmt: skip
     ap.add_argument("--threads", type=int, default=1, help="torch threads (both runs)")
@@ -281,15 +288,83 @@ def pinned(tid: int, cpu: int | None) -> Iterator[None]:
             os.sched_setaffinity(tid, before)
 
 
+@dataclass
+class Workers:
+    """The bench's worker processes, one per system, each on its own redis-server."""
+
+    model: Path
+    args: argparse.Namespace
+    work: Path
+    urls: dict[str, str] = field(default_factory=dict)
+    redis_pids: dict[str, int] = field(default_factory=dict)
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def start(self, system: str, url: str, redis_pid: int) -> None:
+        self.urls[system], self.redis_pids[system] = url, redis_pid
+        self._launch(system)
+
+    def _launch(self, system: str) -> None:
+        args = self.args
+        flags = args.worker_flags if system == "service" else args.baseline_flags
+        tree = None if system == "service" else args.baseline_tree
+        self.procs[system] = start_worker(self.urls[system], self.model, args,
+                                          self.work / f"{system}.log", tuple(shlex.split(flags)),
+                                          tree=tree)  # fmt: skip
+
+    def restart(self, system: str) -> None:
+        self._stop(system)
+        self._launch(system)
+
+    def _stop(self, system: str) -> None:
+        proc = self.procs.pop(system)
+        proc.terminate()
+        proc.wait(60)
+
+    def close(self) -> None:
+        for system in list(self.procs):
+            self._stop(system)
+
+    def view(self) -> dict[str, tuple[str, int, int]]:
+        """Per system: url, worker pid, redis-server pid."""
+        return {s: (self.urls[s], p.pid, self.redis_pids[s]) for s, p in self.procs.items()}
+
+
+def offline_round(
+    model: Path, args: argparse.Namespace, seed: int, cpu: int | None
+) -> tuple[float, float, int]:
+    """``--fresh``: one round of the offline engine in a process of its own (this runs in a
+    spawned child): a new engine, warmed up, then the round; (wall s, CPU s, steps)."""
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+    eng = offline_engine(model, args)
+    vocab, _ = model_numbers(model)
+    if args.warmup_requests:
+        run_offline(eng, make_mixed(args.warmup_requests, vocab, args.seed - 1), "warm")
+    cpu0, steps0 = time.process_time(), eng.heartbeat_stats().steps
+    wall = run_offline(eng, make_mixed(args.requests, vocab, seed), "round")
+    return wall, time.process_time() - cpu0, eng.heartbeat_stats().steps - steps0
+
+
+def run_offline_fresh(
+    model: Path, args: argparse.Namespace, seed: int, cpu: int | None
+) -> tuple[float, float, int]:
+    ctx = mp.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+        return pool.submit(offline_round, model, args, seed, cpu).result()
+
+
 def run_rounds(
-    eng: Engine, workers: dict[str, tuple[str, int, int]], vocab: int, args: argparse.Namespace
+    eng: Engine, fleet: Workers, vocab: int, args: argparse.Namespace
 ) -> dict[str, dict[str, list[float]]]:
     """Per system (``offline`` and each worker: url, worker pid, redis-server pid) and round:
     output tok/s and CPU seconds (this process for the offline engine, the worker process for a
     worker); for a worker also the CPU seconds of its redis-server and of this process (the
     client submitting and polling) meanwhile, which share the machine's cores with the worker.
     Round ``r`` runs workload seed ``seed + r`` on each, in an order rotated by one every round,
-    each system's stepping thread pinned to the round's CPU (:func:`pin_cpus`)."""
+    each system's stepping thread pinned to the round's CPU (:func:`pin_cpus`). With
+    ``--fresh`` every system runs each round in new processes (workers restarted and warmed
+    up, the offline engine in a spawned child)."""
+    workers = fleet.view()
     systems = ["offline", *workers]
     got: dict[str, dict[str, list[float]]] = {
         n: {"tok_s": [], "cpu_s": [], "redis_cpu_s": [], "client_cpu_s": [], "wall_s": [],
@@ -297,20 +372,30 @@ def run_rounds(
             "engine_thread_cpu_s": []}
         for n in systems
     }  # fmt: skip
-    if args.warmup_requests:  # not timed: first-seen shapes (Triton JIT, oneDNN) cost a round
-        warm = make_mixed(args.warmup_requests, vocab, args.seed - 1)
+    warm = make_mixed(args.warmup_requests, vocab, args.seed - 1) if args.warmup_requests else None
+    if warm is not None:  # not timed: first-seen shapes (Triton JIT, oneDNN) cost a round
         run_offline(eng, warm, "warm")
         for url, _, _ in workers.values():
             run_service(url, warm)
     cpus = pin_cpus(args)
-    threads = {name: engine_thread(w[1]) for name, w in workers.items()}
     for r in range(args.rounds):
         wl = make_mixed(args.requests, vocab, args.seed + r)
+        if args.fresh and r > 0:
+            for name in workers:
+                fleet.restart(name)
+                if warm is not None:
+                    run_service(fleet.urls[name], warm)
+            workers = fleet.view()
+        threads = {name: engine_thread(w[1]) for name, w in workers.items()}
         k = r % len(systems)
         cpu = cpus[r % len(cpus)] if cpus else None
         for name in systems[k:] + systems[:k]:
             pid = None if name == "offline" else workers[name][1]
-            if name == "offline":
+            if name == "offline" and args.fresh:
+                wall, cpu_used, steps = run_offline_fresh(fleet.model, args, args.seed + r, cpu)
+                got[name]["cpu_s"].append(cpu_used)
+                got[name]["steps"].append(steps)
+            elif name == "offline":
                 cpu0, steps0 = cpu_s(), eng.heartbeat_stats().steps
                 with pinned(0, cpu):
                     wall = run_offline(eng, wl, f"r{r}")
@@ -412,23 +497,16 @@ def main(argv: list[str] | None = None) -> None:
         name, model = pick_model(args, work)
         vocab, params = model_numbers(model)
         eng = offline_engine(model, args)
-        trees = {"service": None, "baseline": args.baseline_tree}
-        workers: dict[str, tuple[str, int, int]] = {}
-        for system, tree in trees.items():
-            if system == "baseline" and tree is None:
-                continue
-            server = stack.enter_context(LocalRedisServer())
-            url = server.url
-            flags = args.worker_flags if system == "service" else args.baseline_flags
-            extra = tuple(shlex.split(flags))
-            proc = start_worker(url, model, args, work / f"{system}.log", extra, tree=tree)
-            stack.callback(proc.wait, 60)
-            stack.callback(proc.terminate)
+        fleet = Workers(model, args, work)
+        systems = ("service", "baseline") if args.baseline_tree else ("service",)
+        servers = {system: stack.enter_context(LocalRedisServer()) for system in systems}
+        stack.callback(fleet.close)  # (the workers stop before their servers)
+        for system, server in servers.items():
             assert server.proc is not None
-            workers[system] = (url, proc.pid, server.proc.pid)
-        url = workers["service"][0]
+            fleet.start(system, server.url, server.proc.pid)
+        url = fleet.urls["service"]
         ttft = time_to_first_token(Client(url), args.ttft_repeats)
-        got = run_rounds(eng, workers, vocab, args)
+        got = run_rounds(eng, fleet, vocab, args)
         jobs_per_s = submit_rate(url, args.submit_jobs)
     wl = make_mixed(args.requests, vocab, args.seed)
     emit("service", {
@@ -441,6 +519,7 @@ def main(argv: list[str] | None = None) -> None:
         "threads": args.threads,
         "rounds": args.rounds,
         "pinned_cpus": pin_cpus(args),  # round r's engines on pinned_cpus[r % len]
+        "fresh_processes": args.fresh,
         **summary(got),
         "submit_many_jobs_per_s": round(jobs_per_s, 1),
         "enqueue_to_first_token_ms": round(ttft * 1e3, 2),

@@ -374,6 +374,24 @@ def test_service_bench_warms_every_system_then_times_rounds(
     assert rec["pinned_cpus"] == (cpus if len(cpus) > 1 else [])
 
 
+def test_service_bench_fresh_runs_every_round_in_new_processes(
+    tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``bench.service --fresh``: each round restarts the workers (a new process, warmed up
+    again; its loop clock and step count start over) and runs the offline engine in a spawned
+    child, so a process's own speed is drawn anew each round instead of once a run."""
+    from bench import service
+
+    args = ["--model", str(tiny_model_dir), "--requests", "6", "--rounds", "2", "--fresh"]
+    service.main([*args, "--warmup-requests", "3", "--submit-jobs", "50", "--ttft-repeats", "1"])
+    rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rec["fresh_processes"] is True
+    for system in ("offline", "service"):
+        assert len(rec[f"{system}_tok_s_rounds"]) == 2 and min(rec[f"{system}_tok_s_rounds"]) > 0
+        assert min(rec[f"{system}_steps_rounds"]) > 0  # each round's own steps, not a total
+    assert min(rec["offline_cpu_s_rounds"]) > 0  # measured in the child
+
+
 _SPAWNS_A_CHILD = """
 import multiprocessing, sys, time
 if __name__ == "__main__":
