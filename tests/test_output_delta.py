@@ -97,3 +97,16 @@ def test_merge_leaves_the_previous_output_unchanged() -> None:
     first = merge(None, enc.encode(a))
     merge(first, enc.encode(b))
     assert first == a  # the loop may still hold it (a job's latest output)
+
+
+def test_the_loop_skips_increments_of_an_aborted_request_of_the_same_id() -> None:
+    """The loop aborted a request and added another of the same id before the child's reports
+    about the first one came: those increments (no prompt: not a first output) are dropped, the
+    new request's first output is taken."""
+    from worker.engine_process import _stale
+
+    enc = DeltaEncoder()
+    out = RequestOutput("r", [1, 2], [CompletionOutput(0, [3], "x", num_new_tokens=1)])
+    first, later = enc.encode(out), enc.encode(out)
+    assert not _stale(None, first) and _stale(None, later)
+    assert not _stale(merge(None, first), later)

@@ -212,6 +212,13 @@ def _apply(eng: Engine, orders: list[tuple[Any, ...]], rep: Report, enc: DeltaEn
     return stats
 
 
+def _stale(prev: RequestOutput | None, delta: OutputDelta) -> bool:
+    """An increment of an earlier request of the same id (aborted here, then added again while
+    the child's reports about the first one were on their way): it builds on an output this
+    request never had. A new request's first output carries its prompt."""
+    return prev is None and delta[1] is None
+
+
 def _refused(rid: str, reason: str) -> RequestOutput:
     return RequestOutput(rid, [], [CompletionOutput(0, finish_reason="abort")], finished=True,
                          error=reason)  # fmt: skip
@@ -395,10 +402,10 @@ class EngineProcess:
             self._unstarted = rep.unstarted
         live = self._live
         for delta in rep.snapshots:
-            if (rid := delta[0]) in live:
+            if (rid := delta[0]) in live and not _stale(live[rid], delta):
                 live[rid] = merge(live[rid], delta)
         for delta in rep.outputs:
-            if (rid := delta[0]) not in live:  # aborted here meanwhile
+            if (rid := delta[0]) not in live or _stale(live[rid], delta):  # aborted meanwhile
                 continue
             out = merge(live[rid], delta)
             if out.finished:
