@@ -41,15 +41,23 @@ def sse_data(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
+#: A waiting (non-streamed) call's longest blocking read: how soon a hang-up is noticed.
+WAIT_SLICE_MS = 100
+
+
 def follow_job(state: AppState, call: OnlineCall, job_id: str, watch: bool = True) -> Iterator[Any]:
     """The job's events (:func:`pagedserve.events.follow_events`) until the call's deadline,
     or until the client went away (then the request's release cancels the job); ``watch``:
-    the deltas are streamed to the client (the worker writes them at the streaming pace)."""
+    the deltas are streamed to the client (the worker writes them at the streaming pace).
+    Without it the job's deltas come only every half second or so, so the reads block for at
+    most :data:`WAIT_SLICE_MS`: a client that hangs up is still noticed (and its job
+    cancelled) within that."""
+    block = state.config.sse_block_ms if watch else min(state.config.sse_block_ms, WAIT_SLICE_MS)
     return follow_events(
         state.store,
         job_id,
         count=256,
-        block_ms=lambda: state.config.sse_block_ms,
+        block_ms=lambda: block,
         keep_going=lambda: time.monotonic() < call.deadline and not call.gone(),
         watch=watch,
     )
