@@ -329,20 +329,25 @@ class Workers:
         return {s: (self.urls[s], p.pid, self.redis_pids[s]) for s, p in self.procs.items()}
 
 
+def timed_offline(eng: Engine, wl: Workload, tag: str, cpu: int | None) -> tuple[float, float, int]:
+    """One offline round on ``cpu`` (None: unpinned): wall seconds, this process's CPU
+    seconds, engine steps."""
+    cpu0, steps0 = cpu_s(), eng.heartbeat_stats().steps
+    with pinned(0, cpu):
+        wall = run_offline(eng, wl, tag)
+    return wall, cpu_s() - cpu0, eng.heartbeat_stats().steps - steps0
+
+
 def offline_round(
     model: Path, args: argparse.Namespace, seed: int, cpu: int | None
 ) -> tuple[float, float, int]:
     """``--fresh``: one round of the offline engine in a process of its own (this runs in a
-    spawned child): a new engine, warmed up, then the round; (wall s, CPU s, steps)."""
-    if cpu is not None:
-        os.sched_setaffinity(0, {cpu})
+    spawned child): a new engine, warmed up, then :func:`timed_offline`."""
     eng = offline_engine(model, args)
     vocab, _ = model_numbers(model)
     if args.warmup_requests:
         run_offline(eng, make_mixed(args.warmup_requests, vocab, args.seed - 1), "warm")
-    cpu0, steps0 = time.process_time(), eng.heartbeat_stats().steps
-    wall = run_offline(eng, make_mixed(args.requests, vocab, seed), "round")
-    return wall, time.process_time() - cpu0, eng.heartbeat_stats().steps - steps0
+    return timed_offline(eng, make_mixed(args.requests, vocab, seed), "round", cpu)
 
 
 def run_offline_fresh(
@@ -354,7 +359,7 @@ def run_offline_fresh(
 
 
 def run_rounds(
-    eng: Engine, fleet: Workers, vocab: int, args: argparse.Namespace
+    eng: Engine | None, fleet: Workers, vocab: int, args: argparse.Namespace
 ) -> dict[str, dict[str, list[float]]]:
     """Per system (``offline`` and each worker: url, worker pid, redis-server pid) and round:
     output tok/s and CPU seconds (this process for the offline engine, the worker process for a
@@ -374,7 +379,8 @@ def run_rounds(
     }  # fmt: skip
     warm = make_mixed(args.warmup_requests, vocab, args.seed - 1) if args.warmup_requests else None
     if warm is not None:  # not timed: first-seen shapes (Triton JIT, oneDNN) cost a round
-        run_offline(eng, warm, "warm")
+        if eng is not None:  # (--fresh: each round's offline engine warms up on its own)
+            run_offline(eng, warm, "warm")
         for url, _, _ in workers.values():
             run_service(url, warm)
     cpus = pin_cpus(args)
@@ -391,16 +397,13 @@ def run_rounds(
         cpu = cpus[r % len(cpus)] if cpus else None
         for name in systems[k:] + systems[:k]:
             pid = None if name == "offline" else workers[name][1]
-            if name == "offline" and args.fresh:
-                wall, cpu_used, steps = run_offline_fresh(fleet.model, args, args.seed + r, cpu)
-                got[name]["cpu_s"].append(cpu_used)
+            if name == "offline":
+                if eng is None:  # --fresh
+                    wall, used, steps = run_offline_fresh(fleet.model, args, args.seed + r, cpu)
+                else:
+                    wall, used, steps = timed_offline(eng, wl, f"r{r}", cpu)
+                got[name]["cpu_s"].append(used)
                 got[name]["steps"].append(steps)
-            elif name == "offline":
-                cpu0, steps0 = cpu_s(), eng.heartbeat_stats().steps
-                with pinned(0, cpu):
-                    wall = run_offline(eng, wl, f"r{r}")
-                got[name]["cpu_s"].append(cpu_s() - cpu0)
-                got[name]["steps"].append(eng.heartbeat_stats().steps - steps0)
             else:
                 url = workers[name][0]
                 loop0 = loop_seconds(url, time.time())
@@ -496,7 +499,7 @@ def main(argv: list[str] | None = None) -> None:
         work = Path(tmp)
         name, model = pick_model(args, work)
         vocab, params = model_numbers(model)
-        eng = offline_engine(model, args)
+        eng = None if args.fresh else offline_engine(model, args)  # (--fresh: one a round)
         fleet = Workers(model, args, work)
         systems = ("service", "baseline") if args.baseline_tree else ("service",)
         servers = {system: stack.enter_context(LocalRedisServer()) for system in systems}

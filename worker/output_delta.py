@@ -4,7 +4,7 @@ Why: an engine output (:class:`~worker.outputs.RequestOutput`) is cumulative: ev
 tokens, text and logprobs so far, and the prompt's token ids. Under ``--engine-process`` the
 child pickles each output it reports; a progress flush snapshots every running job (256 at
 ``bench.service --preset tiny``, every 50 ms), so the child pickled the same prompts and tokens
-over and over: ~40% of the time it spent reporting (a throwaway timer: 3-4 ms per flush).
+over and over: about half the time it spent reporting (a throwaway timer: 3-4 ms per flush).
 
 :class:`DeltaEncoder` (the child) remembers how much of each request's output it has sent and
 sends the rest: the prompt once, then only what each completion gained. :func:`merge` (the loop)
