@@ -10,7 +10,10 @@ decode step reads them (larger than the last-level cache for SmolLM2's 30 layers
 count 2 x rows x out x in per product; every path's result is checked against ``F.linear``.
 
     python -m bench.gemm_libs [--models bench,smollm2] [--rows 8,16,48,96,256,1024,2048]
-        [--layers 30] [--threads 2] [--min-seconds 0.25]
+        [--layers 30] [--threads 2] [--min-seconds 0.25] [--bf16]
+
+``--bf16`` adds ``onednn_bf16``: the weight rounded to bfloat16, the input cast per call, the
+output cast back (other numerics: never a default, measured beside the float32 paths).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ MODELS: dict[str, dict[str, tuple[int, int]]] = {
     "bench": {"qkv": (1024, 512), "o": (512, 512), "gate_up": (3072, 512), "down": (512, 1536)},
     "smollm2": {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)},
 }
-LIBRARIES = ("mkl", "onednn_packed", "onednn_plain", "native_gemm")
+LIBRARIES = ("mkl", "onednn_packed", "onednn_plain", "native_gemm", "onednn_bf16")
 
 
 def best_seconds(fn: Callable[[], object], min_seconds: float) -> float:
@@ -47,8 +50,20 @@ def best_seconds(fn: Callable[[], object], min_seconds: float) -> float:
             return best
 
 
-def products(weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
-    """Each library's ``x -> x @ weight.T``."""
+def bf16_product(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """``--bf16``: the product with the weight rounded to bfloat16 and packed for oneDNN, the
+    input cast to bfloat16 per call and the output back to float32 (AMX's ``brg_matmul`` where
+    the CPU has it); None where this torch has no oneDNN linear."""
+    packed = layers.pack_for_onednn(weight.to(torch.bfloat16))
+    if packed is None:
+        return None
+    return lambda x: linear(x.to(torch.bfloat16), packed).float()
+
+
+def products(
+    weight: torch.Tensor, bf16: bool = False
+) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """Each library's ``x -> x @ weight.T`` (with ``bf16`` also :func:`bf16_product`'s)."""
     out: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
         "mkl": lambda x: F.linear(x, weight),
         "onednn_plain": lambda x: linear(x, weight),
@@ -60,21 +75,25 @@ def products(weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.T
     if lib is not None:
         panels = lib.pack(weight)
         out["native_gemm"] = panels.matmul
+    if bf16 and (fn := bf16_product(weight)) is not None:
+        out["onednn_bf16"] = fn
     return out
 
 
 def check(fns: dict[str, Callable[[torch.Tensor], torch.Tensor]], weight: torch.Tensor) -> None:
+    """Every path against ``F.linear`` (bfloat16's 8-bit mantissa: a looser bound for it)."""
     x = torch.randn(5, weight.shape[1])
     want = F.linear(x, weight)
     for name, fn in fns.items():
-        torch.testing.assert_close(fn(x), want, atol=1e-4, rtol=1e-4, msg=name)
+        tol = 5e-2 * want.abs().max().item() if name == "onednn_bf16" else 1e-4
+        torch.testing.assert_close(fn(x), want, atol=tol, rtol=1e-4, msg=name)
 
 
-def hot(model: str, rows: list[int], min_s: float) -> dict[str, dict[str, float]]:
+def hot(model: str, rows: list[int], min_s: float, bf16: bool) -> dict[str, dict[str, float]]:
     got: dict[str, dict[str, float]] = {}
     for proj, (n, k) in MODELS[model].items():
         weight = torch.randn(n, k)
-        fns = products(weight)
+        fns = products(weight, bf16)
         check(fns, weight)
         for m in rows:
             x = torch.randn(m, k)
@@ -85,10 +104,12 @@ def hot(model: str, rows: list[int], min_s: float) -> dict[str, dict[str, float]
     return got
 
 
-def cold(model: str, rows: list[int], layers: int, min_s: float) -> dict[str, dict[str, float]]:
+def cold(
+    model: str, rows: list[int], layers: int, min_s: float, bf16: bool
+) -> dict[str, dict[str, float]]:
     """Milliseconds for one pass over every projection of ``layers`` layers."""
     shapes = MODELS[model]
-    per_layer = [{p: products(torch.randn(n, k)) for p, (n, k) in shapes.items()}
+    per_layer = [{p: products(torch.randn(n, k), bf16) for p, (n, k) in shapes.items()}
                  for _ in range(layers)]  # fmt: skip
     got: dict[str, dict[str, float]] = {}
     for m in rows:
@@ -115,14 +136,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layers", type=int, default=30, help="layers of the cold pass")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--min-seconds", type=float, default=0.25, help="per timing")
+    bf16 = "also bfloat16 weights and inputs through oneDNN (other numerics)"
+    ap.add_argument("--bf16", action="store_true", help=bf16)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = [int(x) for x in args.rows.split(",") if x]
     cold_rows = [int(x) for x in args.cold_rows.split(",") if x]
     models = {
         model: {
-            "hot_gflops": hot(model, rows, args.min_seconds),
-            "cold_pass": cold(model, cold_rows, args.layers, args.min_seconds),
+            "hot_gflops": hot(model, rows, args.min_seconds, args.bf16),
+            "cold_pass": cold(model, cold_rows, args.layers, args.min_seconds, args.bf16),
         }
         for model in [m for m in args.models.split(",") if m]
     }

@@ -8,7 +8,8 @@ its own redis-server: an A/B of the service path in one run. Prints one JSON lin
 tokens per second of each (medians and per round), the per-round ratios and their medians (target
 ``service_over_offline`` >= 0.95), CPU seconds per round of each system and, beside a worker's, of
 its redis-server and of this process as the client (on a 2-core machine they share the cores the
-worker steps on), ``submit_many`` jobs per second, the time from enqueue to the
+worker steps on), each worker's resident memory after each round (``pss_mb``, ``rss_mb``: the
+worker and its child processes), ``submit_many`` jobs per second, the time from enqueue to the
 first streamed token on an idle worker, and the 1-minute load average. A worker's loop clock
 (its heartbeat's ``loop_seconds``, read before and after each round) splits its round into engine
 steps (``loop_engine_s``; ``engine_over_offline_wall`` > 1: the same steps ran slower beside the
@@ -245,6 +246,33 @@ def cpu_s(pid: int | None = None, thread: bool = False) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def descendants(pid: int) -> list[int]:
+    """Process ``pid`` and every process below it (Linux ``/proc``; gone ones left out)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(k) for k in (task / "children").read_text().split()]
+    return out
+
+
+def tree_memory_mb(pid: int) -> dict[str, float]:
+    """Resident memory of process ``pid`` and its descendants (a worker, its engine process and
+    multiprocessing's resource tracker), MiB: ``pss`` splits each shared page among the
+    processes mapping it (the torch libraries that a worker and its engine process both map
+    count once), ``rss`` sums each process's resident set."""
+    got = {"pss": 0.0, "rss": 0.0}
+    for p in descendants(pid):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines():
+                key, _, rest = line.partition(":")
+                if key in ("Pss", "Rss"):
+                    got[key.lower()] += int(rest.split()[0]) / 1024
+    return got
+
+
 def engine_thread(worker_pid: int) -> int:
     """The thread that steps a worker's engine: its engine process's main thread under
     ``--engine-process`` (a ``multiprocessing`` spawn child), else the worker's main thread."""
@@ -374,7 +402,7 @@ def run_rounds(
     got: dict[str, dict[str, list[float]]] = {
         n: {"tok_s": [], "cpu_s": [], "redis_cpu_s": [], "client_cpu_s": [], "wall_s": [],
             "loop_engine_s": [], "loop_service_s": [], "loop_engine_cpu_s": [], "steps": [],
-            "engine_thread_cpu_s": []}
+            "engine_thread_cpu_s": [], "pss_mb": [], "rss_mb": []}
         for n in systems
     }  # fmt: skip
     warm = make_mixed(args.warmup_requests, vocab, args.seed - 1) if args.warmup_requests else None
@@ -421,6 +449,9 @@ def run_rounds(
                         got[name][f"loop_{phase}_s"].append(loop1[phase] - loop0[phase])
                 if "steps" in loop0 and "steps" in loop1:
                     got[name]["steps"].append(loop1["steps"] - loop0["steps"])
+                mem = tree_memory_mb(pid)
+                got[name]["pss_mb"].append(mem["pss"])
+                got[name]["rss_mb"].append(mem["rss"])
             got[name]["tok_s"].append(wl.output_tokens / wall)
             got[name]["wall_s"].append(wall)
     return got
@@ -457,9 +488,12 @@ def summary(got: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
         out[f"{name}_tok_s_rounds"] = [round(x, 1) for x in xs]
         for what in ("cpu_s", "redis_cpu_s", "client_cpu_s", "wall_s", "loop_engine_s",
                      "loop_service_s", "loop_engine_cpu_s", "steps",
-                     "engine_thread_cpu_s"):  # fmt: skip
+                     "engine_thread_cpu_s", "pss_mb", "rss_mb"):  # fmt: skip
             if got[name][what]:
                 out[f"{name}_{what}_rounds"] = [round(x, 3) for x in got[name][what]]
+        for what in ("pss_mb", "rss_mb"):  # (a worker's, after each round)
+            if got[name][what]:
+                out[f"{name}_{what}"] = round(statistics.median(got[name][what]), 1)
         engine = got[name]["loop_engine_s"]
         if name != "offline" and len(engine) == len(xs):
             # > 1: the same steps took longer in the worker (other threads and processes on

@@ -247,14 +247,16 @@ def test_gemm_libs_times_every_library_on_checked_products(
     from bench import gemm_libs
 
     gemm_libs.main(["--models", "bench", "--rows", "8", "--cold-rows", "8", "--layers", "2",
-                    "--threads", "1", "--min-seconds", "0.01"])  # fmt: skip
+                    "--threads", "1", "--min-seconds", "0.01", "--bf16"])  # fmt: skip
     rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     hot = rec["models"]["bench"]["hot_gflops"]
     assert set(hot) == {"qkv.8", "o.8", "gate_up.8", "down.8"}
     for figures in hot.values():
         assert figures["mkl"] > 0 and figures["onednn_plain"] > 0
+        assert figures["onednn_bf16"] > 0  # (checked against F.linear to bfloat16's precision)
         assert figures["best"] in gemm_libs.LIBRARIES
-    assert all(v > 0 for v in rec["models"]["bench"]["cold_pass"]["8"].values())
+    cold = rec["models"]["bench"]["cold_pass"]["8"]
+    assert cold["onednn_bf16_ms"] > 0 and all(v > 0 for v in cold.values())
 
 
 def test_inductor_mlp_compares_three_ways_on_the_same_values(
@@ -372,6 +374,7 @@ def test_service_bench_warms_every_system_then_times_rounds(
     assert cpu - 0.02 <= thread <= wall + 0.02
     cpus = sorted(os.sched_getaffinity(0))
     assert rec["pinned_cpus"] == (cpus if len(cpus) > 1 else [])
+    assert 0 < rec["service_pss_mb"] <= rec["service_rss_mb"]  # the worker's, after the round
 
 
 def test_service_bench_fresh_runs_every_round_in_new_processes(
@@ -404,7 +407,8 @@ if __name__ == "__main__":
 
 def test_service_bench_finds_and_pins_the_engine_processes_thread(tmp_path: Path) -> None:
     """``bench.service`` pins each system's stepping thread for a round: a worker's own main
-    thread, or under ``--engine-process`` its spawned child's (not the resource tracker)."""
+    thread, or under ``--engine-process`` its spawned child's (not the resource tracker); a
+    worker's memory counts its children's."""
     from bench import service
 
     script = tmp_path / "spawns.py"
@@ -416,6 +420,9 @@ def test_service_bench_finds_and_pins_the_engine_processes_thread(tmp_path: Path
         child = int(parent.stdout.readline())
         assert service.engine_thread(parent.pid) == child
         assert service.engine_thread(child) == child  # no spawned child: its own main thread
+        assert {parent.pid, child} <= set(service.descendants(parent.pid))
+        both, alone = service.tree_memory_mb(parent.pid), service.tree_memory_mb(child)
+        assert both["rss"] > alone["rss"] > 0 and both["pss"] > alone["pss"] > 0
         cpu, before = max(os.sched_getaffinity(0)), os.sched_getaffinity(child)
         with service.pinned(child, cpu):
             assert os.sched_getaffinity(child) == {cpu}
