@@ -10,10 +10,16 @@ run on the same thread count. Prints one JSON line.
     python -m bench.throughput [--preset quick|full|smollm2]
         [--workload mixed|uniform|shared-prefix|all]
         [--model DIR|FILE.gguf] [--vllm-python PATH] [--vllm-malloc auto|tcmalloc|glibc]
-        [--systems ours,base,hf-static,hf-cb,vllm] [--base DIR] [--threads 2] [--repeats N]
+        [--systems ours,base,hf-static,hf-cb,vllm,ours-bf16w,vllm-bf16] [--base DIR]
+        [--threads 2] [--repeats N]
 
 ``base`` is our engine from another checkout (``--base DIR``, e.g. ``git worktree add --detach
 /tmp/base main``): an A/B of a change against main in the same run, rounds alternating.
+
+``ours-bf16w`` is our engine with ``weight_dtype="bfloat16"`` (bfloat16 projection weights,
+float32 activations: a speed mode with other numerics, never counted as float32) and
+``vllm-bf16`` is vLLM-CPU in ``dtype="bfloat16"`` (its fastest on AMX CPUs); with both, the
+figures also carry ``ours-bf16w/vllm-bf16``. Neither runs unless ``--systems`` names it.
 """
 
 from __future__ import annotations
@@ -42,7 +48,12 @@ PEER_MODULES = {
     "hf-cb": "bench.peers.hf_cb",
 }
 VLLM_SCRIPT = REPO / "bench" / "peers" / "vllm_peer.py"
-ALL_SYSTEMS = ("ours", "base", "hf-static", "hf-cb", "vllm")
+ALL_SYSTEMS = ("ours", "base", "hf-static", "hf-cb", "vllm", "ours-bf16w", "vllm-bf16")
+#: Systems that are another one with other options (bfloat16: not in a default run).
+VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
+    "ours-bf16w": ("ours", {"weight_dtype": "bfloat16"}),
+    "vllm-bf16": ("vllm", {"vllm_dtype": "bfloat16"}),
+}
 WORKLOADS = ("mixed", "uniform", "shared-prefix")
 
 # PEERS.md, measured on this kind of machine (2 cores, fp32) with the full workload sizes.
@@ -287,7 +298,8 @@ def run_system(
 ) -> dict[str, Any]:
     work: Path = ctx["workdir"]
     job, out = work / f"{tag}.job.json", work / f"{tag}.result.json"
-    write_job(job, ctx["model"], wl, ctx["threads"], options)
+    system, extra = VARIANTS.get(system, (system, {}))
+    write_job(job, ctx["model"], wl, ctx["threads"], {**options, **extra})
     cwd = REPO
     if system == "vllm":
         cmd = [ctx["vllm_python"], str(VLLM_SCRIPT)]
@@ -349,22 +361,23 @@ def throughput_workload(wl: Workload, systems: list[str], ctx: dict[str, Any]) -
             tag = f"{wl.name}-{system}" + (f"-{rep + 1}" if repeats > 1 else "")
             runs[system].append(run_system(system, wl, ctx, opts, tag))
     res = {s: median_result(r) for s, r in runs.items()}
-    ours = res.get("ours")
+    pairs = [("ours", s) for s in systems if s != "ours" and "ours" in res]
+    if "ours-bf16w" in res and "vllm-bf16" in res:
+        pairs.append(("ours-bf16w", "vllm-bf16"))
     body: dict[str, Any] = {
         "systems": res,
-        "ratios": {f"ours/{s}": ratio(ours, res[s]) for s in systems if s != "ours"},
+        "ratios": {f"{a}/{b}": ratio(res[a], res[b]) for a, b in pairs},
     }
-    if repeats > 1 and "ours" in runs:
+    if repeats > 1 and pairs:
         body["paired_ratios"] = {
-            f"ours/{s}": [ratio(a, b) for a, b in zip(runs["ours"], runs[s], strict=True)]
-            for s in systems
-            if s != "ours"
+            f"{a}/{b}": [ratio(x, y) for x, y in zip(runs[a], runs[b], strict=True)]
+            for a, b in pairs
         }
     return body
 
 
 #: Systems with a prefix cache: the ones ``shared-prefix`` compares.
-PREFIX_CACHING = ("ours", "base", "vllm")
+PREFIX_CACHING = ("ours", "base", "vllm", "ours-bf16w", "vllm-bf16")
 
 
 def prefix_workload(wl: Workload, systems: list[str], ctx: dict[str, Any]) -> dict[str, Any]:
@@ -415,7 +428,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     ap.add_argument(
         "--systems", default=None,
-        help="comma list of ours,base,hf-static,hf-cb,vllm (default: all that are set up)",
+        help="comma list of ours,base,hf-static,hf-cb,vllm,ours-bf16w,vllm-bf16 (default: all "
+        "that are set up but the bfloat16 ones)",
     )  # fmt: skip
     ap.add_argument("--base", help="checkout whose engine runs as system 'base' (A/B)")
     ap.add_argument(
@@ -440,6 +454,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def uses_vllm(systems: list[str]) -> bool:
+    return any(VARIANTS.get(s, (s, {}))[0] == "vllm" for s in systems)
+
+
 def pick_systems(args: argparse.Namespace) -> list[str]:
     if args.systems:
         systems = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -448,10 +466,10 @@ def pick_systems(args: argparse.Namespace) -> list[str]:
             raise SystemExit(f"unknown systems: {unknown}; choose from {ALL_SYSTEMS}")
     else:
         optional = {"vllm": args.vllm_python and args.device == "cpu", "base": args.base}
-        systems = [s for s in ALL_SYSTEMS if optional.get(s, True)]
-    if "vllm" in systems and args.device != "cpu":
+        systems = [s for s in ALL_SYSTEMS if s not in VARIANTS and optional.get(s, True)]
+    if uses_vllm(systems) and args.device != "cpu":
         raise SystemExit("--systems vllm runs vLLM-CPU: it has no --device other than cpu")
-    if "vllm" in systems and not args.vllm_python:
+    if uses_vllm(systems) and not args.vllm_python:
         raise SystemExit("--systems vllm needs --vllm-python PATH (see bench/README.md)")
     if "base" in systems and not (args.base and (Path(args.base) / "bench").is_dir()):
         raise SystemExit("--systems base needs --base DIR, a checkout of this project")
@@ -483,7 +501,7 @@ def main(argv: list[str] | None = None) -> None:
             "workdir": workdir, "model": model, "threads": args.threads, "preset": preset,
             "vllm_python": args.vllm_python, "timeout": args.timeout, "params": params,
             "base": args.base,
-            "vllm_preload": vllm_preload(args.vllm_malloc) if "vllm" in systems else None,
+            "vllm_preload": vllm_preload(args.vllm_malloc) if uses_vllm(systems) else None,
             "repeats": max(1, args.repeats),
             "placement": {"device": args.device, "dtype": args.dtype},
             "batch_sizes": args.batch_sizes,

@@ -149,6 +149,31 @@ def test_system_choice_is_checked() -> None:
     with pytest.raises(SystemExit, match="--vllm-python"):
         pick_systems(parse_args(["--systems", "ours,vllm"]))
     assert "vllm" not in pick_systems(parse_args([]))
+    with pytest.raises(SystemExit, match="--vllm-python"):
+        pick_systems(parse_args(["--systems", "ours,vllm-bf16"]))
+    everything = pick_systems(parse_args(["--vllm-python", "x"]))
+    assert "vllm" in everything and not {"ours-bf16w", "vllm-bf16"} & set(everything)
+
+
+def test_bfloat16_weights_run_as_a_system_of_their_own(tiny_model_dir: Path) -> None:
+    """``--systems ours,ours-bf16w``: our engine twice in alternating rounds, the second with
+    bfloat16 projection weights (it says so), both generating every requested token."""
+    from worker.models.layers import onednn_available
+
+    if not onednn_available():
+        pytest.skip("this torch has no oneDNN linear")
+    cmd = [sys.executable, "-m", "bench.throughput", "--preset", "smoke", "--workload", "mixed",
+           "--systems", "ours,ours-bf16w", "--repeats", "2",
+           "--model", str(tiny_model_dir)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    body = json.loads(proc.stdout.strip().splitlines()[-1])["workloads"]["mixed"]
+    ours, bf16 = body["systems"]["ours"], body["systems"]["ours-bf16w"]
+    assert ours["ok"] and bf16["ok"] and bf16["length_mismatches"] == 0
+    assert (ours["bf16_weights"], bf16["bf16_weights"]) == (False, True)
+    want = round(ours["output_tok_s"] / bf16["output_tok_s"], 2)
+    assert body["ratios"]["ours/ours-bf16w"] == want
+    assert len(body["paired_ratios"]["ours/ours-bf16w"]) == 2
 
 
 def test_a_gpu_run_leaves_vllm_cpu_out() -> None:

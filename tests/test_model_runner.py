@@ -12,7 +12,7 @@ import torch
 
 from scheduler.output import ScheduledSequence, SchedulerOutput
 from worker.cpu_memory import thp_mode
-from worker.model_runner import ModelRunner, resolve_dtype
+from worker.model_runner import ModelRunner, resolve_dtype, resolve_weight_dtype
 from worker.outputs import EngineConfig
 
 
@@ -232,6 +232,85 @@ def test_linear_with_a_packed_weight_handles_any_row_count() -> None:
     x3 = torch.randn(2, 3, 16, generator=gen)
     torch.testing.assert_close(linear(x3, packed), x3 @ weight.T)
     assert pack_weight(weight.to(torch.bfloat16)) is None  # float32 only
+
+
+def _mixed_batch() -> SchedulerOutput:
+    """A prefill of 7 tokens and a 3-token chunk of another sequence, in one step."""
+    return SchedulerOutput(
+        [
+            ScheduledSequence(0, "a", [5, 6, 7, 8, 9, 10, 11], 0, 0, [0, 1], list(range(7)), True),
+            ScheduledSequence(1, "b", [12, 13, 14], 0, 0, [2], [8, 9, 10], True),
+        ],
+        num_batched_tokens=10,
+    )
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: qkv biases, a tied head
+def test_bfloat16_weights_pack_every_projection_and_keep_float32_around_them(
+    make_tiny_model, family: str
+) -> None:
+    """``--weight-dtype bfloat16``: every projection and the head become bfloat16 weights for
+    oneDNN (the embedding table and norms stay float32), logits stay float32 and within
+    bfloat16's rounding of the float32 runner's, and they do differ from them (the mode is on)."""
+    from worker.models.layers import Bf16Weight, onednn_available
+
+    if not onednn_available():
+        pytest.skip("this torch has no oneDNN linear")
+    model_dir = make_tiny_model(family)
+    logits = {}
+    for weight_dtype in ("auto", "bfloat16"):
+        cfg = EngineConfig(block_size=4, num_kv_blocks=8, weight_dtype=weight_dtype)
+        runner = ModelRunner(model_dir, cfg)
+        layer = runner.model.layers[0]
+        for weight in (layer.attn.qkv_weight, layer.attn.o_weight, layer.mlp.gate_up_weight,
+                       layer.mlp.down_weight, runner.model.lm_head_weight):  # fmt: skip
+            assert isinstance(weight, Bf16Weight) == (weight_dtype == "bfloat16")
+        assert runner.model.embed_weight.dtype == torch.float32
+        assert layer.input_norm.weight.dtype == torch.float32
+        assert runner.kv_caches[0][0].dtype == torch.float32
+        logits[weight_dtype] = runner.execute(_mixed_batch())
+    got, want = logits["bfloat16"], logits["auto"]
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    scale = want.abs().max().item()
+    torch.testing.assert_close(got, want, rtol=0, atol=0.05 * scale)
+    assert not torch.equal(got, want)
+
+
+def test_a_bfloat16_weight_multiplies_like_its_rounded_float32_copy() -> None:
+    """:class:`Bf16Weight`: any row count, leading dimensions, the bias added in float32; the
+    product is that of the bfloat16-rounded weight and input, to bfloat16's output rounding."""
+    from worker.models.layers import Bf16Weight, linear, onednn_available, pack_weight
+
+    if not onednn_available():
+        pytest.skip("this torch has no oneDNN linear")
+    gen = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(24, 16, generator=gen), torch.randn(24, generator=gen)
+    packed = pack_weight(weight, bf16=True)
+    assert isinstance(packed, Bf16Weight) and packed.shape == (24, 16)
+    rounded = weight.to(torch.bfloat16).float()
+    for rows in (0, 1, 5, 130):
+        x = torch.randn(rows, 16, generator=gen)
+        out = linear(x, packed, bias)
+        assert out.shape == (rows, 24) and out.dtype == torch.float32
+        want = torch.nn.functional.linear(x.to(torch.bfloat16).float(), rounded, bias)
+        torch.testing.assert_close(out, want, rtol=1e-2, atol=1e-2)
+    x3 = torch.randn(2, 3, 16, generator=gen)
+    assert linear(x3, packed).shape == (2, 3, 24)
+
+
+def test_bfloat16_weights_are_a_cpu_mode_for_float32_models() -> None:
+    """Clear errors for what the mode is not: a GPU or a bfloat16 model (use --dtype), an
+    unknown name; ``auto`` (the default) keeps the weights in the model's dtype."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert EngineConfig().weight_dtype == "auto"
+    assert resolve_weight_dtype("auto", torch.float32, cpu) is False
+    assert resolve_weight_dtype("auto", torch.bfloat16, cuda) is False
+    with pytest.raises(ValueError, match="on a GPU use --dtype bfloat16"):
+        resolve_weight_dtype("bfloat16", torch.bfloat16, cuda)
+    with pytest.raises(ValueError, match="for float32 models"):
+        resolve_weight_dtype("bfloat16", torch.bfloat16, cpu)
+    with pytest.raises(ValueError, match="unsupported weight dtype"):
+        resolve_weight_dtype("int4", torch.float32, cpu)
 
 
 def test_the_default_dtype_is_float32_on_a_cpu_and_bfloat16_on_a_gpu() -> None:

@@ -18,6 +18,7 @@ from kernels import AttentionMetadata, get_backend
 from scheduler.output import SchedulerOutput
 from worker.cpu_memory import configure_cpu_process, prepack_enabled, warn_without_huge_pages
 from worker.loader import load_model
+from worker.models import layers
 from worker.models.decoder import CausalLM
 from worker.outputs import EngineConfig
 
@@ -60,6 +61,23 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return dtype
 
 
+def resolve_weight_dtype(name: str, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether projection weights go to bfloat16 (``--weight-dtype bfloat16``): only for a
+    float32 model on a CPU, where the activations around them stay float32."""
+    if name == "auto":
+        return False
+    if _DTYPES.get(name) is not torch.bfloat16:
+        raise ValueError(f"unsupported weight dtype {name!r}; use auto or bfloat16")
+    if device.type != "cpu" or dtype is not torch.float32:
+        raise ValueError(
+            "--weight-dtype bfloat16 is a CPU mode for float32 models (bfloat16 weights, "
+            "float32 activations); on a GPU use --dtype bfloat16"
+        )
+    if not layers.onednn_available():
+        raise ValueError("--weight-dtype bfloat16 needs torch's oneDNN (mkldnn) linear")
+    return True
+
+
 class ModelRunner:
     def __init__(
         self, model_dir: str | Path, config: EngineConfig, max_model_len: int | None = None
@@ -71,8 +89,12 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        bf16_weights = resolve_weight_dtype(config.weight_dtype, self.dtype, self.device)
         self.model: CausalLM = load_model(model_dir, self.dtype, self.device)
-        if self.device.type == "cpu" and prepack_enabled():
+        if bf16_weights:
+            n = self.model.pack_weights(bf16=True)
+            log.info("packed %d projection weights in bfloat16 (oneDNN)", n)
+        elif self.device.type == "cpu" and prepack_enabled():
             log.info("packed %d projection weights (C GEMM or oneDNN)", self.model.pack_weights())
         mc = self.model.config
         self.max_model_len = min(

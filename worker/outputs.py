@@ -36,6 +36,14 @@ class EngineConfig:
         metadata=opt("float32 | bfloat16 | float16 | auto (float32 on a CPU, bfloat16 on a GPU)"),
     )
     device: str = field(default="cpu", metadata=opt("cpu | cuda[:n]"))
+    # A speed mode with other numerics (never a default): see worker.models.layers.Bf16Weight
+    weight_dtype: str = field(
+        default="auto",
+        metadata=opt(
+            "auto (the weights in --dtype) | bfloat16 (CPU, float32: projection weights in "
+            "bfloat16 through oneDNN, fast with AMX; not token-for-token float32's outputs)"
+        ),
+    )
     enable_prefix_caching: bool = field(
         default=True, metadata=opt("turn off prefix caching", flag="--no-prefix-caching")
     )

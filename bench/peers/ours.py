@@ -72,6 +72,7 @@ def build_llm(job: Job) -> Any:
     return LLM(
         job.model,
         dtype=opts.get("dtype", "float32"),
+        weight_dtype=opts.get("weight_dtype", "auto"),
         device=opts.get("device", "cpu"),
         max_model_len=opts.get("max_model_len", 2048),
         kv_cache_memory=int(opts.get("kv_cache_gib", 2) * GIB),
@@ -113,9 +114,17 @@ def run(job: Job) -> dict[str, Any]:
     result["prefix_hit_rate"] = round((h1 - h0) / (q1 - q0), 4) if q1 > q0 else 0.0
     result["prefix_hit_tokens"] = h1 - h0
     result["num_kv_blocks"] = llm.engine.runner.layout.num_blocks
+    result["bf16_weights"] = _bf16_weights(llm)
     result["length_mismatches"] = len(wrong)
     result["ok"] = not wrong
     return result
+
+
+def _bf16_weights(llm: Any) -> bool:
+    """Whether the engine runs its projections with bfloat16 weights (``ours-bf16w``)."""
+    from worker.models.layers import Bf16Weight
+
+    return isinstance(llm.engine.runner.model.lm_head_weight, Bf16Weight)
 
 
 def _timed_generate(llm: Any, job: Job, params: list[Any]) -> tuple[list[Any], float]:

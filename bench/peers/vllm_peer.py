@@ -22,7 +22,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     opts = job.get("options", {})
     llm = LLM(
         model=job["model"],
-        dtype="float32",
+        dtype=opts.get("vllm_dtype", "float32"),  # bfloat16: bench.throughput's vllm-bf16
         max_model_len=opts.get("max_model_len", 1024),
         enforce_eager=True,
         seed=0,

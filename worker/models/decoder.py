@@ -97,16 +97,17 @@ class CausalLM(nn.Module):
         return linear(hidden, self.lm_head_weight).float()
 
     # ------------------------------------------------------------------ weights
-    def pack_weights(self) -> int:
+    def pack_weights(self, bf16: bool = False) -> int:
         """Pack every projection (and the output head) for the C GEMM or oneDNN, once, after
-        loading; returns how many were packed (0 where unsupported: not float32 on a CPU).
+        loading (``bf16``: rounded to bfloat16, :class:`~worker.models.layers.Bf16Weight`);
+        returns how many were packed (0 where unsupported: not float32 on a CPU).
         Checkpoint loading no longer works on a packed model. A tied head gets a packed copy;
         the embedding itself stays plain for lookups."""
         targets: list[tuple[nn.Module, str]] = [(self, "lm_head_weight")]
         for layer in self.layers:
             targets += [(layer.attn, "qkv_weight"), (layer.attn, "o_weight")]
             targets += [(layer.mlp, "gate_up_weight"), (layer.mlp, "down_weight")]
-        return sum(swap_for_packed(module, name) for module, name in targets)
+        return sum(swap_for_packed(module, name, bf16) for module, name in targets)
 
     def _layer_target(self, layer: DecoderLayer, name: str) -> tuple[torch.Tensor, int, int] | None:
         """(parameter, first row, end row) that the checkpoint tensor ``name`` of a layer fills."""

@@ -26,6 +26,11 @@ _ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
 _ONEDNN_REORDER = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
 
 
+def onednn_available() -> bool:
+    """Whether this torch has oneDNN's linear (what packed and bfloat16 weights run through)."""
+    return _ONEDNN_LINEAR is not None and _ONEDNN_REORDER is not None
+
+
 def _bucket_rows(m: int) -> int:
     """Round a row count up to one of ~150 sizes (8-row steps to 1024, 64 to 4096, 256 beyond).
 
@@ -40,11 +45,42 @@ def _bucket_rows(m: int) -> int:
     return -(-m // step) * step
 
 
+@dataclass(frozen=True, slots=True)
+class Bf16Weight:
+    """``--weight-dtype bfloat16``: a projection weight rounded to bfloat16 and packed for
+    oneDNN; each product casts its float32 input to bfloat16 and its output back to float32
+    (the bias, if any, is added in float32). Everything else (norms, rope, attention, the KV
+    cache, sampling) stays float32.
+
+    Why: on CPUs with AMX, oneDNN's bfloat16 matmul (``brg_matmul:avx10_1_512_amx``) ran
+    SmolLM2's projections 4-6x faster than any float32 path at prefill sizes and 2-3x at decode
+    sizes, and a decode step streams half the bytes of weights (bench/README.md). An explicit
+    option only: outputs are no longer token-for-token those of float32 ``transformers``."""
+
+    packed: torch.Tensor
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor) -> Bf16Weight | None:
+        """None where this torch has no oneDNN linear."""
+        packed = pack_for_onednn(weight.detach().to(torch.bfloat16))
+        return None if packed is None else cls(packed)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.packed.shape
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        out = _onednn_linear(x.to(torch.bfloat16), self.packed, None).float()
+        return out if bias is None else out.add_(bias)
+
+
 def linear(
-    x: torch.Tensor, weight: torch.Tensor | PanelWeight, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor | PanelWeight | Bf16Weight,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``F.linear``: through the C GEMM for a weight packed for it, else through oneDNN for 2-D
-    float32 inputs on a CPU and for oneDNN-packed weights.
+    float32 inputs on a CPU and for oneDNN-packed (or :class:`Bf16Weight`) weights.
 
     torch's default CPU GEMM (MKL) ran 15-60% slower than oneDNN's at the decode-sized shapes of
     the bench model on this project's AMD EPYC machines (e.g. 96 x 512 -> 3072: 119 vs 193
@@ -53,7 +89,7 @@ def linear(
     padded to a bounded set of sizes: without that a worker's memory grew by ~100 MB over a
     5,000-job run.
     """
-    if isinstance(weight, PanelWeight):  # packed for the C GEMM (``pack_weight``)
+    if isinstance(weight, (PanelWeight, Bf16Weight)):  # packed by ``pack_weight``
         return weight.matmul(x, bias)
     if weight.is_mkldnn or (  # packed weights (``pack_weight``) exist only where oneDNN does
         _ONEDNN_LINEAR is not None
@@ -82,10 +118,12 @@ def _onednn_linear(
     return (out[:m] if rows != m else out).reshape(*lead, weight.shape[0])
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor | PanelWeight | None:
+def pack_weight(
+    weight: torch.Tensor, bf16: bool = False
+) -> torch.Tensor | PanelWeight | Bf16Weight | None:
     """A float32 CPU projection weight packed for the C GEMM (:mod:`kernels.gemm`, where
-    ``PAGEDSERVE_NATIVE_GEMM`` selects it) or else in oneDNN's blocked layout; None where
-    neither applies.
+    ``PAGEDSERVE_NATIVE_GEMM`` selects it) or else in oneDNN's blocked layout; with ``bf16``
+    rounded to bfloat16 for oneDNN (:class:`Bf16Weight`); None where none of these applies.
 
     Why the C GEMM: oneDNN ran the engine's decode-sized products (8-64 rows) at 9-54 GFLOP/s
     on a Zen 3 EPYC, streaming cold weights at 3-6 GB/s; on a Zen 5 one it ran them at 0.55-0.95x
@@ -99,6 +137,8 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | PanelWeight | None:
     """
     if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
         return None
+    if bf16:
+        return Bf16Weight.pack(weight)
     gemm = native_gemm.for_packing()
     if gemm is not None:
         return gemm.pack(weight)
@@ -113,10 +153,10 @@ def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
     return _ONEDNN_REORDER(weight.detach())
 
 
-def swap_for_packed(module: nn.Module, name: str) -> bool:
+def swap_for_packed(module: nn.Module, name: str, bf16: bool = False) -> bool:
     """Replace the weight parameter ``module.<name>`` by its packed form (the plain copy is freed
     unless something else holds it, e.g. tied embeddings). False where packing is unavailable."""
-    packed = pack_weight(getattr(module, name))
+    packed = pack_weight(getattr(module, name), bf16)
     if packed is None:
         return False
     delattr(module, name)
