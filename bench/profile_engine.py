@@ -130,12 +130,15 @@ def install_timers() -> None:
 WORKLOADS = {"mixed": make_mixed, "uniform": make_uniform, "shared-prefix": make_shared_prefix}
 
 
-def run_workload(model: Path, workload: str, requests: int, vocab: int) -> tuple[float, int, int]:
+def run_workload(
+    model: Path, workload: str, requests: int, vocab: int, weight_dtype: str = "auto"
+) -> tuple[float, int, int]:
     from pagedserve.params import SamplingParams
     from worker.llm import LLM
 
     wl = WORKLOADS[workload](requests, vocab, 0)
-    llm = LLM(model, dtype="float32", max_model_len=wl.max_model_len, kv_cache_memory=2 << 30)
+    llm = LLM(model, dtype="float32", max_model_len=wl.max_model_len, kv_cache_memory=2 << 30,
+              weight_dtype=weight_dtype)  # fmt: skip
     llm.generate([[10, 11, 12, 13]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     for acc in (TOTALS, CALLS, LINEAR_S, LINEAR_FLOPS):
         acc.clear()
@@ -193,6 +196,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--torch-profiler", action="store_true")
+    ap.add_argument("--weight-dtype", default="auto", help="auto | bfloat16 (the speed mode)")
     args = ap.parse_args()
     import torch
 
@@ -203,7 +207,8 @@ def main() -> None:
         quarter = max(8, args.requests // 4)
         ops = torch_ops(model, args.workload, quarter, vocab) if args.torch_profiler else []
         install_timers()
-        wall, ptok, otok = run_workload(model, args.workload, args.requests, vocab)
+        wall, ptok, otok = run_workload(model, args.workload, args.requests, vocab,
+                                        args.weight_dtype)  # fmt: skip
     figures = {
         "workload": args.workload,
         "requests": args.requests,

@@ -97,7 +97,8 @@ class ServiceConfig:
     engine_process: bool = field(
         default=False,
         metadata=opt("step the engine in a child process, beside the service loop "
-                     "(2-3% faster at fast steps on a Xeon, a tie on a Zen 4: bench/README.md)"),
+                     "(2-14% faster at fast steps on Xeons, a tie on a Zen 4; ~0.3 GB more "
+                     "memory: bench/README.md)"),
     )  # fmt: skip
     # At exit, how long the writer may go on retrying writes that Redis has not taken yet.
     writer_drain_s: float = 5.0
