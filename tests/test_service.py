@@ -190,3 +190,25 @@ def test_heartbeat_contents(redis_url: str, model_dir: Path, start_worker: Start
     assert sum(loop.values()) <= time.time() - hb.started_at + 0.01
     assert 0 < hb.engine_cpu_seconds <= loop["engine"] + 0.01  # the steps' CPU time is in it
     assert TEST_WORKER_ARGS  # the fixture's options are what the offline comparison mirrors
+
+
+def test_a_worker_takes_bfloat16_weights_from_its_command_line(
+    redis_url: str, model_dir: Path, start_worker: StartWorker
+) -> None:
+    """``pagedserve worker --weight-dtype bfloat16`` serves jobs with its projections packed in
+    bfloat16 (its log says so); asked of a bfloat16 model it exits with the reason instead."""
+    w = start_worker(
+        redis_url, model_dir, "w1", "--weight-dtype", "bfloat16", "--log-level", "INFO"
+    )
+    client = Client(redis_url)
+    jid = client.submit([1, 2, 3], {"max_tokens": 10, "temperature": 0.0, "ignore_eos": True})
+    rec = client.wait(jid, timeout=60)
+    assert rec.status == JobStatus.SUCCEEDED and rec.result is not None
+    assert rec.result.completion_tokens == 10
+    assert "projection weights in bfloat16" in w.log()
+    bad = start_worker(
+        redis_url, model_dir, "w2", "--weight-dtype", "bfloat16", "--dtype", "bfloat16",
+        ready=False,
+    )  # fmt: skip
+    assert bad.wait(timeout=60) != 0
+    assert "CPU mode for float32 models" in bad.log()
