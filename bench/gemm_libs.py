@@ -51,13 +51,11 @@ def best_seconds(fn: Callable[[], object], min_seconds: float) -> float:
 
 
 def bf16_product(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """``--bf16``: the product with the weight rounded to bfloat16 and packed for oneDNN, the
-    input cast to bfloat16 per call and the output back to float32 (AMX's ``brg_matmul`` where
-    the CPU has it); None where this torch has no oneDNN linear."""
-    packed = layers.pack_for_onednn(weight.to(torch.bfloat16))
-    if packed is None:
-        return None
-    return lambda x: linear(x.to(torch.bfloat16), packed).float()
+    """``--bf16``: the engine's ``--weight-dtype bfloat16`` product
+    (:class:`worker.models.layers.Bf16Weight`: AMX's ``brg_matmul`` where the CPU has it);
+    None where this torch has no oneDNN linear."""
+    packed = layers.Bf16Weight.pack(weight)
+    return None if packed is None else packed.matmul
 
 
 def products(

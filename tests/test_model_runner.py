@@ -286,7 +286,7 @@ def test_a_bfloat16_weight_multiplies_like_its_rounded_float32_copy() -> None:
     gen = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(24, 16, generator=gen), torch.randn(24, generator=gen)
     packed = pack_weight(weight, bf16=True)
-    assert isinstance(packed, Bf16Weight) and packed.shape == (24, 16)
+    assert isinstance(packed, Bf16Weight) and packed.packed.shape == (24, 16)
     rounded = weight.to(torch.bfloat16).float()
     for rows in (0, 1, 5, 130):
         x = torch.randn(rows, 16, generator=gen)

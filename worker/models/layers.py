@@ -65,10 +65,6 @@ class Bf16Weight:
         packed = pack_for_onednn(weight.detach().to(torch.bfloat16))
         return None if packed is None else cls(packed)
 
-    @property
-    def shape(self) -> torch.Size:
-        return self.packed.shape
-
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         out = _onednn_linear(x.to(torch.bfloat16), self.packed, None).float()
         return out if bias is None else out.add_(bias)
