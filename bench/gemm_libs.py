@@ -13,7 +13,8 @@ count 2 x rows x out x in per product; every path's result is checked against ``
         [--layers 30] [--threads 2] [--min-seconds 0.25] [--bf16]
 
 ``--bf16`` adds ``onednn_bf16``: the weight rounded to bfloat16, the input cast per call, the
-output cast back (other numerics: never a default, measured beside the float32 paths).
+output cast back (other numerics: never a default, measured beside the float32 paths), and
+``native_bf16``, our C GEMM's bfloat16 path where the CPU has AVX512-BF16.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ MODELS: dict[str, dict[str, tuple[int, int]]] = {
     "bench": {"qkv": (1024, 512), "o": (512, 512), "gate_up": (3072, 512), "down": (512, 1536)},
     "smollm2": {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)},
 }
-LIBRARIES = ("mkl", "onednn_packed", "onednn_plain", "native_gemm", "onednn_bf16")
+LIBRARIES = ("mkl", "onednn_packed", "onednn_plain", "native_gemm", "onednn_bf16", "native_bf16")
 
 
 def best_seconds(fn: Callable[[], object], min_seconds: float) -> float:
@@ -51,10 +52,10 @@ def best_seconds(fn: Callable[[], object], min_seconds: float) -> float:
 
 
 def bf16_product(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """``--bf16``: the engine's ``--weight-dtype bfloat16`` product
+    """``--bf16``: the engine's ``--weight-dtype bfloat16`` product through oneDNN
     (:class:`worker.models.layers.Bf16Weight`: AMX's ``brg_matmul`` where the CPU has it);
     None where this torch has no oneDNN linear."""
-    packed = layers.Bf16Weight.pack(weight)
+    packed = layers.Bf16Weight.pack(weight, layers.Bf16Paths(native=False, onednn=True))
     return None if packed is None else packed.matmul
 
 
@@ -75,6 +76,8 @@ def products(
         out["native_gemm"] = panels.matmul
     if bf16 and (fn := bf16_product(weight)) is not None:
         out["onednn_bf16"] = fn
+    if bf16 and lib is not None and lib.bf16:
+        out["native_bf16"] = lib.pack_bf16(weight).matmul
     return out
 
 
@@ -83,7 +86,7 @@ def check(fns: dict[str, Callable[[torch.Tensor], torch.Tensor]], weight: torch.
     x = torch.randn(5, weight.shape[1])
     want = F.linear(x, weight)
     for name, fn in fns.items():
-        tol = 5e-2 * want.abs().max().item() if name == "onednn_bf16" else 1e-4
+        tol = 5e-2 * want.abs().max().item() if name.endswith("bf16") else 1e-4
         torch.testing.assert_close(fn(x), want, atol=tol, rtol=1e-4, msg=name)
 
 

@@ -10,7 +10,7 @@ run on the same thread count. Prints one JSON line.
     python -m bench.throughput [--preset quick|full|smollm2]
         [--workload mixed|uniform|shared-prefix|all]
         [--model DIR|FILE.gguf] [--vllm-python PATH] [--vllm-malloc auto|tcmalloc|glibc]
-        [--systems ours,base,hf-static,hf-cb,vllm,ours-bf16w,vllm-bf16] [--base DIR]
+        [--systems ours,base,hf-static,hf-cb,vllm,ours-bf16w,base-bf16w,vllm-bf16] [--base DIR]
         [--threads 2] [--repeats N]
 
 ``base`` is our engine from another checkout (``--base DIR``, e.g. ``git worktree add --detach
@@ -19,7 +19,8 @@ run on the same thread count. Prints one JSON line.
 ``ours-bf16w`` is our engine with ``weight_dtype="bfloat16"`` (bfloat16 projection weights,
 float32 activations: a speed mode with other numerics, never counted as float32) and
 ``vllm-bf16`` is vLLM-CPU in ``dtype="bfloat16"`` (its fastest on AMX CPUs); with both, the
-figures also carry ``ours-bf16w/vllm-bf16``. Neither runs unless ``--systems`` names it.
+figures also carry ``ours-bf16w/vllm-bf16``; ``base-bf16w`` is ``base`` in that mode (an A/B of
+the mode's products, ratio ``ours-bf16w/base-bf16w``). None runs unless ``--systems`` names it.
 """
 
 from __future__ import annotations
@@ -48,10 +49,20 @@ PEER_MODULES = {
     "hf-cb": "bench.peers.hf_cb",
 }
 VLLM_SCRIPT = REPO / "bench" / "peers" / "vllm_peer.py"
-ALL_SYSTEMS = ("ours", "base", "hf-static", "hf-cb", "vllm", "ours-bf16w", "vllm-bf16")
+ALL_SYSTEMS = (
+    "ours",
+    "base",
+    "hf-static",
+    "hf-cb",
+    "vllm",
+    "ours-bf16w",
+    "base-bf16w",
+    "vllm-bf16",
+)
 #: Systems that are another one with other options (bfloat16: not in a default run).
 VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
     "ours-bf16w": ("ours", {"weight_dtype": "bfloat16"}),
+    "base-bf16w": ("base", {"weight_dtype": "bfloat16"}),
     "vllm-bf16": ("vllm", {"vllm_dtype": "bfloat16"}),
 }
 WORKLOADS = ("mixed", "uniform", "shared-prefix")
@@ -362,8 +373,9 @@ def throughput_workload(wl: Workload, systems: list[str], ctx: dict[str, Any]) -
             runs[system].append(run_system(system, wl, ctx, opts, tag))
     res = {s: median_result(r) for s, r in runs.items()}
     pairs = [("ours", s) for s in systems if s != "ours" and "ours" in res]
-    if "ours-bf16w" in res and "vllm-bf16" in res:
-        pairs.append(("ours-bf16w", "vllm-bf16"))
+    pairs += [
+        ("ours-bf16w", s) for s in ("base-bf16w", "vllm-bf16") if "ours-bf16w" in res and s in res
+    ]
     body: dict[str, Any] = {
         "systems": res,
         "ratios": {f"{a}/{b}": ratio(res[a], res[b]) for a, b in pairs},
@@ -377,7 +389,7 @@ def throughput_workload(wl: Workload, systems: list[str], ctx: dict[str, Any]) -
 
 
 #: Systems with a prefix cache: the ones ``shared-prefix`` compares.
-PREFIX_CACHING = ("ours", "base", "vllm", "ours-bf16w", "vllm-bf16")
+PREFIX_CACHING = ("ours", "base", "vllm", "ours-bf16w", "base-bf16w", "vllm-bf16")
 
 
 def prefix_workload(wl: Workload, systems: list[str], ctx: dict[str, Any]) -> dict[str, Any]:
@@ -471,7 +483,9 @@ def pick_systems(args: argparse.Namespace) -> list[str]:
         raise SystemExit("--systems vllm runs vLLM-CPU: it has no --device other than cpu")
     if uses_vllm(systems) and not args.vllm_python:
         raise SystemExit("--systems vllm needs --vllm-python PATH (see bench/README.md)")
-    if "base" in systems and not (args.base and (Path(args.base) / "bench").is_dir()):
+    if any(VARIANTS.get(s, (s, {}))[0] == "base" for s in systems) and not (
+        args.base and (Path(args.base) / "bench").is_dir()
+    ):
         raise SystemExit("--systems base needs --base DIR, a checkout of this project")
     return systems
 

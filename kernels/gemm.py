@@ -39,9 +39,14 @@ class NativeGemm:
         lib.ps_gemm_f32.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I32]
         lib.ps_gemm_f32.restype = None
         lib.ps_gemm_panel_width.restype = ctypes.c_int
+        lib.ps_gemm_bf16.argtypes = lib.ps_gemm_f32.argtypes
+        lib.ps_gemm_bf16.restype = None
+        lib.ps_gemm_bf16_available.restype = ctypes.c_int
         self._lib = lib
         #: Output columns per panel: 16 with 8-float vectors, 32 with 16-float ones.
         self.panel_width = int(lib.ps_gemm_panel_width())
+        #: Whether this build multiplies bfloat16 weights (AVX-512 with AVX512-BF16).
+        self.bf16 = bool(lib.ps_gemm_bf16_available())
 
     def pack(self, weight: torch.Tensor) -> PanelWeight:
         """``weight`` [out, in] (float32, CPU) as panels ``[ceil(out / NR), in, NR]``."""
@@ -56,21 +61,45 @@ class NativeGemm:
         panels = w.reshape(padded // nr, nr, k).transpose(1, 2).contiguous()
         return PanelWeight(panels=panels, out_features=n, in_features=k, gemm=self)
 
+    def pack_bf16(self, weight: torch.Tensor) -> PanelWeight:
+        """``weight`` [out, in] (float32, CPU, ``in`` even) rounded to bfloat16 as panels of 32
+        columns with each column's k pairs side by side: ``[ceil(out / 32), in / 2, 32, 2]``
+        (``ps_gemm_bf16`` in gemm.c). Only where :attr:`bf16`."""
+        if not self.bf16:
+            raise ValueError("this build of the C GEMM has no bfloat16 path (AVX512-BF16)")
+        if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+            raise ValueError("pack_bf16 takes a 2-D float32 CPU weight")
+        n, k = weight.shape
+        if k % 2:
+            raise ValueError("pack_bf16 needs an even number of input features")
+        nr = self.panel_width
+        padded = -(-n // nr) * nr
+        w = weight.detach().to(torch.bfloat16)
+        if padded != n:
+            w = torch.cat([w, w.new_zeros(padded - n, k)])
+        panels = w.reshape(padded // nr, nr, k // 2, 2).transpose(1, 2).contiguous()
+        return PanelWeight(panels=panels, out_features=n, in_features=k, gemm=self)
+
     def matmul(
         self, x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        """``x @ W.T (+ bias)`` for 2-D float32 ``x`` with unit column stride."""
+        """``x @ W.T (+ bias)`` for 2-D float32 ``x`` with unit column stride; for a bfloat16
+        weight ``x`` is rounded to bfloat16 first (to nearest even, as ``Tensor.to``)."""
         m, k = x.shape
         if k != weight.in_features or x.dtype != torch.float32 or x.device.type != "cpu":
             raise ValueError(f"x must be float32 [rows, {weight.in_features}] on the CPU")
-        if x.stride(1) != 1:
+        bf16 = weight.panels.dtype == torch.bfloat16
+        if bf16:
+            x = x.to(torch.bfloat16, memory_format=torch.contiguous_format)
+        elif x.stride(1) != 1:
             x = x.contiguous()
         if bias is not None:
             bias = bias.detach().to(torch.float32).contiguous()
             if bias.numel() != weight.out_features:
                 raise ValueError("bias must have one value per output column")
-        y = x.new_empty(m, weight.out_features)
-        self._lib.ps_gemm_f32(
+        y = torch.empty(m, weight.out_features, dtype=torch.float32)
+        run = self._lib.ps_gemm_bf16 if bf16 else self._lib.ps_gemm_f32
+        run(
             x.data_ptr(), m, k, x.stride(0), weight.panels.data_ptr(), weight.out_features,
             None if bias is None else bias.data_ptr(), y.data_ptr(), y.stride(0),
             torch.get_num_threads(),
@@ -80,7 +109,8 @@ class NativeGemm:
 
 @dataclass(frozen=True, eq=False)
 class PanelWeight:
-    """A projection weight in :mod:`kernels.gemm`'s panel layout (what ``linear`` takes)."""
+    """A projection weight in :mod:`kernels.gemm`'s panel layout (what ``linear`` takes):
+    float32 panels (:meth:`NativeGemm.pack`) or bfloat16 ones (:meth:`NativeGemm.pack_bf16`)."""
 
     panels: torch.Tensor
     out_features: int

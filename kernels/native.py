@@ -39,6 +39,9 @@ DISABLE_ENV = "PAGEDSERVE_NATIVE_KERNELS"
 FUSED_ENV = "PAGEDSERVE_FUSED_OPS"
 #: The projection GEMM of ``kernels/gemm.py``: auto / 1 / 0 (also off with ``DISABLE_ENV``).
 GEMM_ENV = "PAGEDSERVE_NATIVE_GEMM"
+#: ``--weight-dtype bfloat16``'s products: auto / native (the C GEMM's AVX512-BF16 path) /
+#: onednn (read by :func:`worker.models.layers.bf16_paths` through :func:`choice`).
+BF16_GEMM_ENV = "PAGEDSERVE_BF16_GEMM"
 CACHE_ENV = "PAGEDSERVE_KERNEL_CACHE"
 #: Prefill chunks through the tiled prefill kernel (``paged_prefill.h``); 0 runs their tokens as
 #: decode rows of the decode kernel, as before it (for A/Bs).
@@ -464,6 +467,16 @@ def build(force: bool = False, source: Path = SOURCE, flags: list[str] | None = 
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def choice(name: str, allowed: tuple[str, ...]) -> str:
+    """The variable ``name``'s value among ``allowed`` (the first when unset or empty)."""
+    value = os.environ.get(name, "").strip().lower() or allowed[0]
+    if value not in allowed:
+        raise ValueError(
+            f"{name} must be {', '.join(allowed[:-1])} or {allowed[-1]}, not {value!r}"
+        )
+    return value
 
 
 def switched_off(name: str) -> bool:

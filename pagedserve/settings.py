@@ -131,6 +131,12 @@ NATIVE_GEMM = Setting(
     "auto",
     "projection GEMM in C: auto or 1 (wherever it builds) or 0 (oneDNN)",
 )
+BF16_GEMM = Setting(
+    "PAGEDSERVE_BF16_GEMM",
+    "auto",
+    "--weight-dtype bfloat16 products: auto (C GEMM with AVX512-BF16, oneDNN with AMX), "
+    "native or onednn",
+)
 TILED_PREFILL = Setting(
     "PAGEDSERVE_TILED_PREFILL",
     "1",
@@ -162,6 +168,7 @@ SETTINGS: tuple[Setting, ...] = (
     NATIVE_KERNELS,
     FUSED_OPS,
     NATIVE_GEMM,
+    BF16_GEMM,
     TILED_PREFILL,
     KERNEL_CACHE,
 )

@@ -156,24 +156,30 @@ def test_system_choice_is_checked() -> None:
 
 
 def test_bfloat16_weights_run_as_a_system_of_their_own(tiny_model_dir: Path) -> None:
-    """``--systems ours,ours-bf16w``: our engine twice in alternating rounds, the second with
-    bfloat16 projection weights (it says so), both generating every requested token."""
+    """``--systems ours,ours-bf16w,base-bf16w``: our engine in alternating rounds, the second
+    and third with bfloat16 projection weights (they say so; the third from ``--base``), all
+    generating every requested token, the mode's A/B ratio beside the float32 one."""
     from worker.models.layers import onednn_available
 
     if not onednn_available():
         pytest.skip("this torch has no oneDNN linear")
     cmd = [sys.executable, "-m", "bench.throughput", "--preset", "smoke", "--workload", "mixed",
-           "--systems", "ours,ours-bf16w", "--repeats", "2",
+           "--systems", "ours,ours-bf16w,base-bf16w", "--base", str(REPO), "--repeats", "2",
            "--model", str(tiny_model_dir)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     body = json.loads(proc.stdout.strip().splitlines()[-1])["workloads"]["mixed"]
     ours, bf16 = body["systems"]["ours"], body["systems"]["ours-bf16w"]
     assert ours["ok"] and bf16["ok"] and bf16["length_mismatches"] == 0
-    assert (ours["bf16_weights"], bf16["bf16_weights"]) == (False, True)
+    base = body["systems"]["base-bf16w"]
+    assert base["ok"] and base["length_mismatches"] == 0
+    assert (ours["bf16_weights"], bf16["bf16_weights"], base["bf16_weights"]) == (False, True, True)
     want = round(ours["output_tok_s"] / bf16["output_tok_s"], 2)
     assert body["ratios"]["ours/ours-bf16w"] == want
     assert len(body["paired_ratios"]["ours/ours-bf16w"]) == 2
+    assert body["ratios"]["ours-bf16w/base-bf16w"] == round(
+        bf16["output_tok_s"] / base["output_tok_s"], 2
+    )
 
 
 def test_a_gpu_run_leaves_vllm_cpu_out() -> None:
@@ -243,6 +249,8 @@ def test_quick_run_end_to_end(tiny_model_dir: Path, flops_per_token: float) -> N
 def test_base_system_needs_a_checkout() -> None:
     with pytest.raises(SystemExit, match="--base DIR"):
         pick_systems(parse_args(["--systems", "ours,base"]))
+    with pytest.raises(SystemExit, match="--base DIR"):
+        pick_systems(parse_args(["--systems", "ours,base-bf16w"]))
     assert "base" not in pick_systems(parse_args([]))
     assert "base" in pick_systems(parse_args(["--base", str(REPO)]))
 
@@ -270,7 +278,9 @@ def test_gemm_libs_times_every_library_on_checked_products(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     from bench import gemm_libs
+    from kernels import gemm
 
+    lib = gemm.load()
     gemm_libs.main(["--models", "bench", "--rows", "8", "--cold-rows", "8", "--layers", "2",
                     "--threads", "1", "--min-seconds", "0.01", "--bf16"])  # fmt: skip
     rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -279,6 +289,7 @@ def test_gemm_libs_times_every_library_on_checked_products(
     for figures in hot.values():
         assert figures["mkl"] > 0 and figures["onednn_plain"] > 0
         assert figures["onednn_bf16"] > 0  # (checked against F.linear to bfloat16's precision)
+        assert ("native_bf16" in figures) == bool(lib is not None and lib.bf16)
         assert figures["best"] in gemm_libs.LIBRARIES
     cold = rec["models"]["bench"]["cold_pass"]["8"]
     assert cold["onednn_bf16_ms"] > 0 and all(v > 0 for v in cold.values())

@@ -245,17 +245,29 @@ def _mixed_batch() -> SchedulerOutput:
     )
 
 
+def _bf16_path_or_skip(path: str) -> None:
+    """Skip where ``PAGEDSERVE_BF16_GEMM=<path>`` has nothing to run on this machine."""
+    from worker.models.layers import Bf16Paths, bf16_paths, onednn_available
+
+    if path == "onednn" and not onednn_available():
+        pytest.skip("this torch has no oneDNN linear")
+    if path == "native" and bf16_paths() == Bf16Paths(native=False, onednn=True):
+        pytest.skip("no bfloat16 C GEMM on this CPU (AVX512-BF16)")
+
+
+@pytest.mark.parametrize("path", ["onednn", "native"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: qkv biases, a tied head
 def test_bfloat16_weights_pack_every_projection_and_keep_float32_around_them(
-    make_tiny_model, family: str
+    make_tiny_model, family: str, path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``--weight-dtype bfloat16``: every projection and the head become bfloat16 weights for
-    oneDNN (the embedding table and norms stay float32), logits stay float32 and within
-    bfloat16's rounding of the float32 runner's, and they do differ from them (the mode is on)."""
-    from worker.models.layers import Bf16Weight, onednn_available
+    """``--weight-dtype bfloat16``: every projection and the head become bfloat16 weights, for
+    oneDNN or our C GEMM (``PAGEDSERVE_BF16_GEMM``; the embedding table and norms stay float32),
+    logits stay float32 and within bfloat16's rounding of the float32 runner's, and they do
+    differ from them (the mode is on)."""
+    from worker.models.layers import Bf16Weight
 
-    if not onednn_available():
-        pytest.skip("this torch has no oneDNN linear")
+    monkeypatch.setenv("PAGEDSERVE_BF16_GEMM", path)
+    _bf16_path_or_skip(path)
     model_dir = make_tiny_model(family)
     logits = {}
     for weight_dtype in ("auto", "bfloat16"):
@@ -265,6 +277,11 @@ def test_bfloat16_weights_pack_every_projection_and_keep_float32_around_them(
         for weight in (layer.attn.qkv_weight, layer.attn.o_weight, layer.mlp.gate_up_weight,
                        layer.mlp.down_weight, runner.model.lm_head_weight):  # fmt: skip
             assert isinstance(weight, Bf16Weight) == (weight_dtype == "bfloat16")
+            if isinstance(weight, Bf16Weight):  # the forced path, and only it
+                assert (weight.panels is not None, weight.packed is not None) == (
+                    path == "native",
+                    path == "onednn",
+                )
         assert runner.model.embed_weight.dtype == torch.float32
         assert layer.input_norm.weight.dtype == torch.float32
         assert runner.kv_caches[0][0].dtype == torch.float32
@@ -276,17 +293,26 @@ def test_bfloat16_weights_pack_every_projection_and_keep_float32_around_them(
     assert not torch.equal(got, want)
 
 
-def test_a_bfloat16_weight_multiplies_like_its_rounded_float32_copy() -> None:
-    """:class:`Bf16Weight`: any row count, leading dimensions, the bias added in float32; the
-    product is that of the bfloat16-rounded weight and input, to bfloat16's output rounding."""
-    from worker.models.layers import Bf16Weight, linear, onednn_available, pack_weight
+@pytest.mark.parametrize("path", ["onednn", "native", "both"])
+def test_a_bfloat16_weight_multiplies_like_its_rounded_float32_copy(path: str) -> None:
+    """:class:`Bf16Weight` through oneDNN, our C GEMM, or both (the C GEMM up to 5 rows):
+    any row count, leading dimensions, the bias added in float32; the product is that of the
+    bfloat16-rounded weight and input, to bfloat16's output rounding."""
+    from worker.models.layers import Bf16Paths, Bf16Weight, linear
 
-    if not onednn_available():
-        pytest.skip("this torch has no oneDNN linear")
+    _bf16_path_or_skip("native" if path == "both" else path)
+    if path == "both":
+        _bf16_path_or_skip("onednn")
+    paths = {
+        "onednn": Bf16Paths(native=False, onednn=True),
+        "native": Bf16Paths(native=True, onednn=False),
+        "both": Bf16Paths(native=True, onednn=True, native_rows=5),
+    }[path]
     gen = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(24, 16, generator=gen), torch.randn(24, generator=gen)
-    packed = pack_weight(weight, bf16=True)
-    assert isinstance(packed, Bf16Weight) and packed.packed.shape == (24, 16)
+    packed = Bf16Weight.pack(weight, paths)
+    assert isinstance(packed, Bf16Weight)
+    assert (packed.panels is not None, packed.packed is not None) == (paths.native, paths.onednn)
     rounded = weight.to(torch.bfloat16).float()
     for rows in (0, 1, 5, 130):
         x = torch.randn(rows, 16, generator=gen)
@@ -296,6 +322,35 @@ def test_a_bfloat16_weight_multiplies_like_its_rounded_float32_copy() -> None:
         torch.testing.assert_close(out, want, rtol=1e-2, atol=1e-2)
     x3 = torch.randn(2, 3, 16, generator=gen)
     assert linear(x3, packed).shape == (2, 3, 24)
+    if path == "both":  # up to native_rows rows the C GEMM's bits, above them oneDNN's
+        onednn_only = Bf16Weight(packed.packed)
+        x5, x6 = torch.randn(5, 16, generator=gen), torch.randn(6, 16, generator=gen)
+        assert packed.panels is not None
+        assert torch.equal(linear(x5, packed), packed.panels.matmul(x5))
+        assert torch.equal(linear(x6, packed), onednn_only.matmul(x6))
+
+
+def test_the_bfloat16_products_path_is_chosen_per_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``auto``: the C GEMM where its bfloat16 path builds, except with AMX (oneDNN's AMX
+    kernels); ``PAGEDSERVE_BF16_GEMM`` forces either; a bad value is refused by name."""
+    from kernels import gemm as native_gemm
+    from worker.models import layers
+
+    lib = native_gemm.for_packing()
+    has_native = lib is not None and lib.bf16
+    onednn = layers.Bf16Paths(native=False, onednn=True)
+    native = layers.Bf16Paths(native=True, onednn=False)
+    monkeypatch.setenv("PAGEDSERVE_BF16_GEMM", "onednn")
+    assert layers.bf16_paths() == onednn
+    monkeypatch.setenv("PAGEDSERVE_BF16_GEMM", "native")
+    assert layers.bf16_paths() == (native if has_native else onednn)
+    monkeypatch.setenv("PAGEDSERVE_BF16_GEMM", "auto")
+    for amx in (False, True):
+        monkeypatch.setattr(layers, "_has_amx", lambda amx=amx: amx)
+        assert layers.bf16_paths() == (native if has_native and not amx else onednn)
+    monkeypatch.setenv("PAGEDSERVE_BF16_GEMM", "fast")
+    with pytest.raises(ValueError, match="PAGEDSERVE_BF16_GEMM must be auto, native or onednn"):
+        layers.bf16_paths()
 
 
 def test_bfloat16_weights_are_a_cpu_mode_for_float32_models() -> None:

@@ -178,14 +178,22 @@ def _agreed(a: list[int], b: list[int]) -> int:
     return n
 
 
+@pytest.mark.parametrize("path", ["onednn", "native"])
 def test_bfloat16_weights_answer_like_float32_on_trained_weights(
-    llm: LLM, real_model_dir: Path
+    llm: LLM, real_model_dir: Path, path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``weight_dtype="bfloat16"`` (a speed mode, not token-for-token float32) on SmolLM2,
-    under the same stress settings. Against the float32 engine: most greedy answers are the
-    same, where one leaves float32's it is at a near tie of float32's own top two tokens (the
-    first token of the France answer is such a tie: 0.08 nats), and the tokens both chose
-    kept their logprobs to within rounding (measured: at most 0.12 nats, 0.03 on average)."""
+    under the same stress settings, through oneDNN and through our C GEMM's AVX512-BF16 path
+    (``PAGEDSERVE_BF16_GEMM``, where each exists). Against the float32 engine: most greedy
+    answers are the same, where one leaves float32's it is at a near tie of float32's own top
+    two tokens (the first token of the France answer is such a tie: 0.08 nats), and the tokens
+    both chose kept their logprobs to within rounding (measured: at most 0.12 nats, 0.03 on
+    average)."""
+    from worker.models import layers
+
+    monkeypatch.setenv("PAGEDSERVE_BF16_GEMM", path)
+    if layers.bf16_paths() != layers.Bf16Paths(native=path == "native", onednn=path == "onednn"):
+        pytest.skip(f"no {path} bfloat16 products on this machine")
     fast = LLM(real_model_dir, enable_prefix_caching=True, weight_dtype="bfloat16", **STRESS)
     greedy = SamplingParams(temperature=0, max_tokens=32, logprobs=2)
     asks = [*QUESTIONS, "What is 2+2?", "Name a large animal.", "Translate 'cat' to French."]

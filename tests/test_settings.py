@@ -85,6 +85,7 @@ def test_kernel_switches_agree_with_the_kernels_own_names() -> None:
     assert settings.KERNEL_CACHE.name == native.CACHE_ENV
     assert settings.FUSED_OPS.name == native.FUSED_ENV
     assert settings.NATIVE_GEMM.name == native.GEMM_ENV
+    assert settings.BF16_GEMM.name == native.BF16_GEMM_ENV
     assert settings.TILED_PREFILL.name == native.TILED_PREFILL_ENV
 
 

@@ -151,6 +151,13 @@ static inline __attribute__((always_inline)) void ps_gemm_tile(
     }
 }
 
+/* A row tile's product with one panel over k steps [k0, k1): ps_gemm_rows (float32) or
+ * ps_gemm_bf16_rows (below). Both layouts step 4-byte elements of x and PS_GEMM_NR x 4 bytes of
+ * panel per k step, so the blocking below is shared and only the tile differs. */
+typedef void (*ps_gemm_rows_fn)(const float *x, int64_t ldx, const float *wp, int64_t K,
+                                float *y, int64_t ldy, int64_t mr, const float *bias,
+                                int64_t ncols, int64_t k0, int64_t k1, ps_gemm_ahead *ahead);
+
 static void ps_gemm_rows(const float *x, int64_t ldx, const float *wp, int64_t K, float *y,
                          int64_t ldy, int64_t mr, const float *bias, int64_t ncols, int64_t k0,
                          int64_t k1, ps_gemm_ahead *ahead) {
@@ -205,7 +212,8 @@ static ps_gemm_ahead ps_gemm_next_block(const float *wp, int64_t K, int64_t b0, 
  * block, 2 also the first block after the last. */
 static void ps_gemm_block_rows(const float *x, int64_t M, int64_t K, int64_t ldx,
                                const float *wp, int64_t N, const float *bias, float *y,
-                               int64_t ldy, int64_t p0, int64_t p1, int64_t kc, int next) {
+                               int64_t ldy, int64_t p0, int64_t p1, int64_t kc, int next,
+                               ps_gemm_rows_fn rows) {
     const int64_t panel_floats = K * PS_GEMM_NR;
     int64_t per_block = PS_GEMM_BLOCK_BYTES / (kc * PS_GEMM_NR * (int64_t)sizeof(float));
     if (per_block < 1) per_block = 1;
@@ -227,9 +235,8 @@ static void ps_gemm_block_rows(const float *x, int64_t M, int64_t K, int64_t ldx
                     const int64_t ncols = N - c0 < PS_GEMM_NR ? N - c0 : PS_GEMM_NR;
                     const int whole = ncols < PS_GEMM_NR;
                     if (whole && k0 > 0) continue;
-                    ps_gemm_rows(x + m0 * ldx, ldx, wp + p * panel_floats, K, y + m0 * ldy + c0,
-                                 ldy, mr, bias ? bias + c0 : 0, ncols, k0, whole ? K : k1,
-                                 &ahead);
+                    rows(x + m0 * ldx, ldx, wp + p * panel_floats, K, y + m0 * ldy + c0, ldy,
+                         mr, bias ? bias + c0 : 0, ncols, k0, whole ? K : k1, &ahead);
                 }
                 m0 += mr;
             }
@@ -242,7 +249,7 @@ static void ps_gemm_block_rows(const float *x, int64_t M, int64_t K, int64_t ldx
  * oneDNN). */
 static void ps_gemm_panels(const float *x, int64_t M, int64_t K, int64_t ldx, const float *wp,
                            int64_t N, const float *bias, float *y, int64_t ldy, int64_t p0,
-                           int64_t p1) {
+                           int64_t p1, ps_gemm_rows_fn rows) {
     /* decode-sized calls (up to 64 rows) keep one pass: x fits L2 whole at any K there */
     const int64_t kc = K <= PS_GEMM_KC_MAX || M <= 64 ? K : PS_GEMM_KC;
     const int ahead = PS_GEMM_NEXT && M <= PS_GEMM_NEXT_ROWS;
@@ -251,15 +258,14 @@ static void ps_gemm_panels(const float *x, int64_t M, int64_t K, int64_t ldx, co
     for (int64_t m0 = 0; m0 < M; m0 += chunk) {
         const int64_t mc = M - m0 < chunk ? M - m0 : chunk;
         ps_gemm_block_rows(x + m0 * ldx, mc, K, ldx, wp, N, bias, y + m0 * ldy, ldy, p0, p1,
-                           kc, ahead ? (m0 + mc < M ? 2 : 1) : 0);
+                           kc, ahead ? (m0 + mc < M ? 2 : 1) : 0, rows);
     }
 }
 
-/* y = x @ W^T (+ bias). x: [M, K] rows ldx apart; wp: W packed (above), N columns; bias: NULL
- * or [N] floats; y: [M, N] rows ldy apart. Each
- * thread takes a contiguous run of panels (the weights are read once in all). */
-void ps_gemm_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const float *wp, int64_t N,
-                 const float *bias, float *y, int64_t ldy, int32_t threads) {
+/* Each thread takes a contiguous run of panels (the weights are read once in all). */
+static void ps_gemm_threads(const float *x, int64_t M, int64_t K, int64_t ldx, const float *wp,
+                            int64_t N, const float *bias, float *y, int64_t ldy, int32_t threads,
+                            ps_gemm_rows_fn rows) {
     const int64_t panels = (N + PS_GEMM_NR - 1) / PS_GEMM_NR;
     if (M <= 0 || panels <= 0) return;
     if (threads < 1) threads = 1;
@@ -272,6 +278,123 @@ void ps_gemm_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const float 
         const int64_t t = 0, nt = 1;
 #endif
         const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
-        ps_gemm_panels(x, M, K, ldx, wp, N, bias, y, ldy, p0, p1);
+        ps_gemm_panels(x, M, K, ldx, wp, N, bias, y, ldy, p0, p1, rows);
     }
 }
+
+/* y = x @ W^T (+ bias). x: [M, K] rows ldx apart; wp: W packed (above), N columns; bias: NULL
+ * or [N] floats; y: [M, N] rows ldy apart. */
+void ps_gemm_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const float *wp, int64_t N,
+                 const float *bias, float *y, int64_t ldy, int32_t threads) {
+    ps_gemm_threads(x, M, K, ldx, wp, N, bias, y, ldy, threads, ps_gemm_rows);
+}
+
+/*
+ * bfloat16 weights (``--weight-dtype bfloat16``), where the CPU has AVX512-BF16 (vdpbf16ps):
+ * y = x @ W^T (+ bias) with x and W in bfloat16 (x rounded by the caller), products summed in
+ * float32, bias added in float32.
+ *
+ * Why: a decode step streams every weight from DRAM; in bfloat16 that is half the bytes, and
+ * oneDNN's bfloat16 kernels (what the mode used alone) ran the decode-sized products well below
+ * the rate the halved stream allows (bench/README.md). Same blocking and prefetching as the
+ * float32 path: an AVX-512 float32 panel's k step and a bfloat16 panel's k *pair* step are both
+ * 32 columns x 4 bytes, so the code above runs it with K / 2 steps of 4-byte elements of x
+ * (each a pair of bfloat16 values) and only the tile differs.
+ *
+ * Layout: panels of 32 columns, wp[p][k / 2][c][k % 2] = W[p * 32 + c][k] (K even; columns past
+ * N are zero). Each k pair step loads two 16-lane vectors of column pairs and, per row,
+ * broadcasts x's pair (x[k], x[k + 1]); vdpbf16ps adds both products to each column's sum.
+ * Every output is one sum over the pairs in order, then + bias: independent of M, of the rows
+ * sharing a call and of the thread count, as in float32.
+ */
+#if PS_WIDE_LANES == 16 && defined(__AVX512BF16__)
+#include <immintrin.h>
+
+static inline __attribute__((always_inline)) void ps_gemm_bf16_tile(
+    const float *x, int64_t ldx, const float *wp, int64_t K, float *y, int64_t ldy,
+    const int mr, const float *bias, int64_t ncols, int64_t k0, int64_t k1,
+    ps_gemm_ahead *ahead) {
+    __m512 acc[PS_GEMM_MR][PS_GEMM_NRV];
+    const char *ahead_p = ahead->p;
+    int64_t ahead_left = ahead->left;
+    uint64_t ahead_due = ahead->due;
+    for (int i = 0; i < mr; ++i)
+        for (int j = 0; j < PS_GEMM_NRV; ++j)
+            acc[i][j] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(y + i * ldy + 16 * j);
+    for (int64_t k = k0; k < k1; ++k) {
+#if PS_GEMM_PF > 0
+        for (int j = 0; j < PS_GEMM_NRV; ++j)
+            __builtin_prefetch(wp + (k + PS_GEMM_PF) * PS_GEMM_NR + 16 * j, 0, PS_GEMM_PFL);
+#endif
+#if PS_GEMM_NEXT
+        if (ahead_left > 0) {
+            ahead_due += ahead->inc;
+            for (; ahead_due >= (1u << 16) && ahead_left > 0; ahead_due -= 1u << 16) {
+                __builtin_prefetch(ahead_p, 0, 2);
+                ahead_p += 64;
+                --ahead_left;
+            }
+        }
+#endif
+        __m512bh w[PS_GEMM_NRV];
+        for (int j = 0; j < PS_GEMM_NRV; ++j)
+            w[j] = (__m512bh)_mm512_loadu_ps(wp + k * PS_GEMM_NR + 16 * j);
+        for (int i = 0; i < mr; ++i) {
+            const __m512bh xb = (__m512bh)_mm512_set1_ps(x[i * ldx + k]);
+            for (int j = 0; j < PS_GEMM_NRV; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xb, w[j]);
+        }
+    }
+    ahead->p = ahead_p;
+    ahead->left = ahead_left;
+    ahead->due = ahead_due;
+    if (bias && k1 == K) {
+        const __mmask16 m0 = ncols >= 16 ? 0xffff : (__mmask16)((1u << ncols) - 1);
+        const __mmask16 m1 = ncols >= 32 ? 0xffff : ncols <= 16 ? 0 : (__mmask16)((1u << (ncols - 16)) - 1);
+        const __m512 b0 = _mm512_maskz_loadu_ps(m0, bias), b1 = _mm512_maskz_loadu_ps(m1, bias + 16);
+        for (int i = 0; i < mr; ++i) {
+            acc[i][0] = _mm512_add_ps(acc[i][0], b0);
+            acc[i][1] = _mm512_add_ps(acc[i][1], b1);
+        }
+    }
+    for (int i = 0; i < mr; ++i) {
+        if (ncols == PS_GEMM_NR) {
+            for (int j = 0; j < PS_GEMM_NRV; ++j) _mm512_storeu_ps(y + i * ldy + 16 * j, acc[i][j]);
+            continue;
+        }
+        float tmp[PS_GEMM_NR]; /* the last panel of an N that is not a multiple of 32 */
+        for (int j = 0; j < PS_GEMM_NRV; ++j) _mm512_storeu_ps(tmp + 16 * j, acc[i][j]);
+        memcpy(y + i * ldy, tmp, (size_t)ncols * sizeof(float));
+    }
+}
+
+static void ps_gemm_bf16_rows(const float *x, int64_t ldx, const float *wp, int64_t K, float *y,
+                              int64_t ldy, int64_t mr, const float *bias, int64_t ncols,
+                              int64_t k0, int64_t k1, ps_gemm_ahead *ahead) {
+    switch (mr) {
+#define PS_GEMM_CASE(n) \
+    case n: ps_gemm_bf16_tile(x, ldx, wp, K, y, ldy, n, bias, ncols, k0, k1, ahead); break;
+        PS_GEMM_CASE(1) PS_GEMM_CASE(2) PS_GEMM_CASE(3) PS_GEMM_CASE(4) PS_GEMM_CASE(5)
+        PS_GEMM_CASE(6) PS_GEMM_CASE(7) PS_GEMM_CASE(8) PS_GEMM_CASE(9) PS_GEMM_CASE(10)
+        PS_GEMM_CASE(11) PS_GEMM_CASE(12)
+#undef PS_GEMM_CASE
+    default: break;
+    }
+}
+
+int ps_gemm_bf16_available(void) { return 1; }
+
+/* x: [M, K] bfloat16 (uint16 bit patterns) rows ldx elements apart (ldx and K even); wp: the
+ * packed bfloat16 weight (above); bias, y, ldy as in ps_gemm_f32. */
+void ps_gemm_bf16(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *wp,
+                  int64_t N, const float *bias, float *y, int64_t ldy, int32_t threads) {
+    ps_gemm_threads((const float *)x, M, K / 2, ldx / 2, (const float *)wp, N, bias, y, ldy,
+                    threads, ps_gemm_bf16_rows);
+}
+#else
+int ps_gemm_bf16_available(void) { return 0; }
+void ps_gemm_bf16(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *wp,
+                  int64_t N, const float *bias, float *y, int64_t ldy, int32_t threads) {
+    (void)x, (void)M, (void)K, (void)ldx, (void)wp, (void)N, (void)bias, (void)y, (void)ldy,
+        (void)threads;
+}
+#endif

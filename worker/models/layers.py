@@ -9,18 +9,21 @@ weights are the checkpoint's separate matrices stacked along the output dimensio
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import AttentionBackend, AttentionMetadata
+from kernels import AttentionBackend, AttentionMetadata, native
 from kernels import gemm as native_gemm
 from kernels.fused import FusedOps
 from kernels.gemm import PanelWeight
 from worker.models.config import ModelConfig
 from worker.models.rope import apply_rope
+
+log = logging.getLogger(__name__)
 
 _ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
 _ONEDNN_REORDER = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
@@ -45,27 +48,73 @@ def _bucket_rows(m: int) -> int:
     return -(-m // step) * step
 
 
+@dataclass(frozen=True)
+class Bf16Paths:
+    """Which kernels multiply bfloat16 weights: our C GEMM (products of up to ``native_rows``
+    rows, or all when oneDNN is not kept) and/or oneDNN (the rest)."""
+
+    native: bool
+    onednn: bool
+    native_rows: int = 1 << 62
+
+
+def bf16_paths() -> Bf16Paths:
+    """The C GEMM where its bfloat16 path builds (AVX512-BF16), except on CPUs with AMX, where
+    oneDNN's AMX kernels (measured there, 2-6x float32) stay; ``PAGEDSERVE_BF16_GEMM`` forces
+    one (``native`` falls back to oneDNN, logged, where the C path is missing)."""
+    choice = native.choice(native.BF16_GEMM_ENV, ("auto", "native", "onednn"))
+    lib = native_gemm.for_packing() if choice != "onednn" else None
+    has_native = lib is not None and lib.bf16
+    if choice == "native" and not has_native:
+        log.warning("%s=native: no bfloat16 C GEMM here; oneDNN instead", native.BF16_GEMM_ENV)
+    if not has_native or (choice == "auto" and _has_amx()):
+        return Bf16Paths(native=False, onednn=True)
+    return Bf16Paths(native=True, onednn=False)
+
+
+def _has_amx() -> bool:
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe()) if probe is not None else False
+
+
 @dataclass(frozen=True, slots=True)
 class Bf16Weight:
-    """``--weight-dtype bfloat16``: a projection weight rounded to bfloat16 and packed for
-    oneDNN; each product casts its float32 input to bfloat16 and its output back to float32
-    (the bias, if any, is added in float32). Everything else (norms, rope, attention, the KV
-    cache, sampling) stays float32.
+    """``--weight-dtype bfloat16``: a projection weight rounded to bfloat16, packed for our C
+    GEMM (:meth:`kernels.gemm.NativeGemm.pack_bf16`) and/or for oneDNN (:func:`bf16_paths`);
+    each product rounds its float32 input to bfloat16 and returns float32 (the bias, if any,
+    added in float32). Everything else (norms, rope, attention, the KV cache, sampling) stays
+    float32.
 
     Why: on CPUs with AMX, oneDNN's bfloat16 matmul (``brg_matmul:avx10_1_512_amx``) ran
     SmolLM2's projections 4-6x faster than any float32 path at prefill sizes and 2-3x at decode
-    sizes, and a decode step streams half the bytes of weights (bench/README.md). An explicit
-    option only: outputs are no longer token-for-token those of float32 ``transformers``."""
+    sizes; on CPUs with AVX512-BF16 and no AMX (Zen 4) the C GEMM's ``vdpbf16ps`` path streams
+    the decode steps' weights at half float32's bytes (bench/README.md). An explicit option
+    only: outputs are no longer token-for-token those of float32 ``transformers``."""
 
-    packed: torch.Tensor
+    packed: torch.Tensor | None
+    panels: PanelWeight | None = None
+    native_rows: int = 0
 
     @classmethod
-    def pack(cls, weight: torch.Tensor) -> Bf16Weight | None:
-        """None where this torch has no oneDNN linear."""
-        packed = pack_for_onednn(weight.detach().to(torch.bfloat16))
-        return None if packed is None else cls(packed)
+    def pack(cls, weight: torch.Tensor, paths: Bf16Paths | None = None) -> Bf16Weight | None:
+        """None where neither path exists (no oneDNN linear, no bfloat16 C GEMM)."""
+        paths = paths or bf16_paths()
+        lib = native_gemm.load() if paths.native else None
+        panels = None
+        if lib is not None and lib.bf16 and weight.shape[1] % 2 == 0:
+            panels = lib.pack_bf16(weight)
+        packed = None
+        if paths.onednn or panels is None:
+            packed = pack_for_onednn(weight.detach().to(torch.bfloat16))
+        if packed is None and panels is None:
+            return None
+        rows = paths.native_rows if packed is not None else 1 << 62
+        return cls(packed, panels, rows if panels is not None else 0)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.panels is not None and (x.numel() // x.shape[-1] <= self.native_rows):
+            return self.panels.matmul(x, bias)
+        assert self.packed is not None
         out = _onednn_linear(x.to(torch.bfloat16), self.packed, None).float()
         return out if bias is None else out.add_(bias)
 
