@@ -90,12 +90,22 @@ static inline vwsf ps_wbcast(const float *p) {
 #endif
 }
 
-/* rows [0, mr) of x times one panel, into y (ncols <= NR valid columns). mr is a constant at
- * every call site (the switch below), so acc[][] lives in registers. */
+/* bfloat16 products where the build has AVX512-BF16 with 16-float vectors (ps_gemm_bf16) */
+#if PS_WIDE_LANES == 16 && defined(__AVX512BF16__)
+#define PS_GEMM_HAS_BF16 1
+#include <immintrin.h>
+#else
+#define PS_GEMM_HAS_BF16 0
+#endif
+
+/* rows [0, mr) of x times one panel, into y (ncols <= NR valid columns). mr and bf16 are
+ * constants at every call site (the switch below), so acc[][] lives in registers. With bf16,
+ * each k step is a k pair: x's 4-byte element holds (x[k], x[k + 1]) in bfloat16, the panel's
+ * step each column's (W[c][k], W[c][k + 1]), and vdpbf16ps adds both products per column. */
 static inline __attribute__((always_inline)) void ps_gemm_tile(
     const float *x, int64_t ldx, const float *wp, int64_t K, float *y, int64_t ldy,
     const int mr, const float *bias, int64_t ncols, int64_t k0, int64_t k1,
-    ps_gemm_ahead *ahead) {
+    ps_gemm_ahead *ahead, const int bf16) {
     vwsf acc[PS_GEMM_MR][PS_GEMM_NRV];
     const char *ahead_p = ahead->p; /* in locals: kept in registers across the k loop */
     int64_t ahead_left = ahead->left;
@@ -122,9 +132,17 @@ static inline __attribute__((always_inline)) void ps_gemm_tile(
         for (int j = 0; j < PS_GEMM_NRV; ++j) w[j] = ps_wload(wp + k * PS_GEMM_NR + j * PS_WIDE_LANES);
         for (int i = 0; i < mr; ++i) {
             const vwsf xb = ps_wbcast(x + i * ldx + k);
+#if PS_GEMM_HAS_BF16
+            if (bf16) {
+                for (int j = 0; j < PS_GEMM_NRV; ++j)
+                    acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)xb, (__m512bh)w[j]);
+                continue;
+            }
+#endif
             for (int j = 0; j < PS_GEMM_NRV; ++j) acc[i][j] += xb * w[j];
         }
     }
+    (void)bf16;
     ahead->p = ahead_p;
     ahead->left = ahead_left;
     ahead->due = ahead_due;
@@ -158,12 +176,13 @@ typedef void (*ps_gemm_rows_fn)(const float *x, int64_t ldx, const float *wp, in
                                 float *y, int64_t ldy, int64_t mr, const float *bias,
                                 int64_t ncols, int64_t k0, int64_t k1, ps_gemm_ahead *ahead);
 
-static void ps_gemm_rows(const float *x, int64_t ldx, const float *wp, int64_t K, float *y,
-                         int64_t ldy, int64_t mr, const float *bias, int64_t ncols, int64_t k0,
-                         int64_t k1, ps_gemm_ahead *ahead) {
+static inline __attribute__((always_inline)) void ps_gemm_rows_of(
+    const float *x, int64_t ldx, const float *wp, int64_t K, float *y, int64_t ldy, int64_t mr,
+    const float *bias, int64_t ncols, int64_t k0, int64_t k1, ps_gemm_ahead *ahead,
+    const int bf16) {
     switch (mr) {
 #define PS_GEMM_CASE(n) \
-    case n: ps_gemm_tile(x, ldx, wp, K, y, ldy, n, bias, ncols, k0, k1, ahead); break;
+    case n: ps_gemm_tile(x, ldx, wp, K, y, ldy, n, bias, ncols, k0, k1, ahead, bf16); break;
         PS_GEMM_CASE(1) PS_GEMM_CASE(2) PS_GEMM_CASE(3) PS_GEMM_CASE(4) PS_GEMM_CASE(5)
         PS_GEMM_CASE(6)
 #if PS_GEMM_MR > 6
@@ -174,6 +193,20 @@ static void ps_gemm_rows(const float *x, int64_t ldx, const float *wp, int64_t K
     default: break;
     }
 }
+
+static void ps_gemm_rows(const float *x, int64_t ldx, const float *wp, int64_t K, float *y,
+                         int64_t ldy, int64_t mr, const float *bias, int64_t ncols, int64_t k0,
+                         int64_t k1, ps_gemm_ahead *ahead) {
+    ps_gemm_rows_of(x, ldx, wp, K, y, ldy, mr, bias, ncols, k0, k1, ahead, 0);
+}
+
+#if PS_GEMM_HAS_BF16
+static void ps_gemm_bf16_rows(const float *x, int64_t ldx, const float *wp, int64_t K, float *y,
+                              int64_t ldy, int64_t mr, const float *bias, int64_t ncols,
+                              int64_t k0, int64_t k1, ps_gemm_ahead *ahead) {
+    ps_gemm_rows_of(x, ldx, wp, K, y, ldy, mr, bias, ncols, k0, k1, ahead, 1);
+}
+#endif
 
 /* The k slice of a call: all of K up to PS_GEMM_KC_MAX (every product of the models measured
  * here), else PS_GEMM_KC at a time, so that a row chunk of x (below) stays tens of rows high
@@ -299,7 +332,7 @@ void ps_gemm_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const float 
  * the rate the halved stream allows (bench/README.md). Same blocking and prefetching as the
  * float32 path: an AVX-512 float32 panel's k step and a bfloat16 panel's k *pair* step are both
  * 32 columns x 4 bytes, so the code above runs it with K / 2 steps of 4-byte elements of x
- * (each a pair of bfloat16 values) and only the tile differs.
+ * (each a pair of bfloat16 values) and only the tile's multiply-add differs (ps_gemm_tile).
  *
  * Layout: panels of 32 columns, wp[p][k / 2][c][k % 2] = W[p * 32 + c][k] (K even; columns past
  * N are zero). Each k pair step loads two 16-lane vectors of column pairs and, per row,
@@ -307,80 +340,7 @@ void ps_gemm_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const float 
  * Every output is one sum over the pairs in order, then + bias: independent of M, of the rows
  * sharing a call and of the thread count, as in float32.
  */
-#if PS_WIDE_LANES == 16 && defined(__AVX512BF16__)
-#include <immintrin.h>
-
-static inline __attribute__((always_inline)) void ps_gemm_bf16_tile(
-    const float *x, int64_t ldx, const float *wp, int64_t K, float *y, int64_t ldy,
-    const int mr, const float *bias, int64_t ncols, int64_t k0, int64_t k1,
-    ps_gemm_ahead *ahead) {
-    __m512 acc[PS_GEMM_MR][PS_GEMM_NRV];
-    const char *ahead_p = ahead->p;
-    int64_t ahead_left = ahead->left;
-    uint64_t ahead_due = ahead->due;
-    for (int i = 0; i < mr; ++i)
-        for (int j = 0; j < PS_GEMM_NRV; ++j)
-            acc[i][j] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(y + i * ldy + 16 * j);
-    for (int64_t k = k0; k < k1; ++k) {
-#if PS_GEMM_PF > 0
-        for (int j = 0; j < PS_GEMM_NRV; ++j)
-            __builtin_prefetch(wp + (k + PS_GEMM_PF) * PS_GEMM_NR + 16 * j, 0, PS_GEMM_PFL);
-#endif
-#if PS_GEMM_NEXT
-        if (ahead_left > 0) {
-            ahead_due += ahead->inc;
-            for (; ahead_due >= (1u << 16) && ahead_left > 0; ahead_due -= 1u << 16) {
-                __builtin_prefetch(ahead_p, 0, 2);
-                ahead_p += 64;
-                --ahead_left;
-            }
-        }
-#endif
-        __m512bh w[PS_GEMM_NRV];
-        for (int j = 0; j < PS_GEMM_NRV; ++j)
-            w[j] = (__m512bh)_mm512_loadu_ps(wp + k * PS_GEMM_NR + 16 * j);
-        for (int i = 0; i < mr; ++i) {
-            const __m512bh xb = (__m512bh)_mm512_set1_ps(x[i * ldx + k]);
-            for (int j = 0; j < PS_GEMM_NRV; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xb, w[j]);
-        }
-    }
-    ahead->p = ahead_p;
-    ahead->left = ahead_left;
-    ahead->due = ahead_due;
-    if (bias && k1 == K) {
-        const __mmask16 m0 = ncols >= 16 ? 0xffff : (__mmask16)((1u << ncols) - 1);
-        const __mmask16 m1 = ncols >= 32 ? 0xffff : ncols <= 16 ? 0 : (__mmask16)((1u << (ncols - 16)) - 1);
-        const __m512 b0 = _mm512_maskz_loadu_ps(m0, bias), b1 = _mm512_maskz_loadu_ps(m1, bias + 16);
-        for (int i = 0; i < mr; ++i) {
-            acc[i][0] = _mm512_add_ps(acc[i][0], b0);
-            acc[i][1] = _mm512_add_ps(acc[i][1], b1);
-        }
-    }
-    for (int i = 0; i < mr; ++i) {
-        if (ncols == PS_GEMM_NR) {
-            for (int j = 0; j < PS_GEMM_NRV; ++j) _mm512_storeu_ps(y + i * ldy + 16 * j, acc[i][j]);
-            continue;
-        }
-        float tmp[PS_GEMM_NR]; /* the last panel of an N that is not a multiple of 32 */
-        for (int j = 0; j < PS_GEMM_NRV; ++j) _mm512_storeu_ps(tmp + 16 * j, acc[i][j]);
-        memcpy(y + i * ldy, tmp, (size_t)ncols * sizeof(float));
-    }
-}
-
-static void ps_gemm_bf16_rows(const float *x, int64_t ldx, const float *wp, int64_t K, float *y,
-                              int64_t ldy, int64_t mr, const float *bias, int64_t ncols,
-                              int64_t k0, int64_t k1, ps_gemm_ahead *ahead) {
-    switch (mr) {
-#define PS_GEMM_CASE(n) \
-    case n: ps_gemm_bf16_tile(x, ldx, wp, K, y, ldy, n, bias, ncols, k0, k1, ahead); break;
-        PS_GEMM_CASE(1) PS_GEMM_CASE(2) PS_GEMM_CASE(3) PS_GEMM_CASE(4) PS_GEMM_CASE(5)
-        PS_GEMM_CASE(6) PS_GEMM_CASE(7) PS_GEMM_CASE(8) PS_GEMM_CASE(9) PS_GEMM_CASE(10)
-        PS_GEMM_CASE(11) PS_GEMM_CASE(12)
-#undef PS_GEMM_CASE
-    default: break;
-    }
-}
-
+#if PS_GEMM_HAS_BF16
 int ps_gemm_bf16_available(void) { return 1; }
 
 /* x: [M, K] bfloat16 (uint16 bit patterns) rows ldx elements apart (ldx and K even); wp: the
