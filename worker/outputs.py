@@ -41,7 +41,7 @@ class EngineConfig:
         default="auto",
         metadata=opt(
             "auto (the weights in --dtype) | bfloat16 (CPU, float32: projection weights in "
-            "bfloat16 through oneDNN, fast with AMX; not token-for-token float32's outputs)"
+            "bfloat16, fast with AMX or AVX512-BF16; not token-for-token float32's outputs)"
         ),
     )
     enable_prefix_caching: bool = field(

@@ -169,13 +169,6 @@ static inline __attribute__((always_inline)) void ps_gemm_tile(
     }
 }
 
-/* A row tile's product with one panel over k steps [k0, k1): ps_gemm_rows (float32) or
- * ps_gemm_bf16_rows (below). Both layouts step 4-byte elements of x and PS_GEMM_NR x 4 bytes of
- * panel per k step, so the blocking below is shared and only the tile differs. */
-typedef void (*ps_gemm_rows_fn)(const float *x, int64_t ldx, const float *wp, int64_t K,
-                                float *y, int64_t ldy, int64_t mr, const float *bias,
-                                int64_t ncols, int64_t k0, int64_t k1, ps_gemm_ahead *ahead);
-
 static inline __attribute__((always_inline)) void ps_gemm_rows_of(
     const float *x, int64_t ldx, const float *wp, int64_t K, float *y, int64_t ldy, int64_t mr,
     const float *bias, int64_t ncols, int64_t k0, int64_t k1, ps_gemm_ahead *ahead,
@@ -200,13 +193,13 @@ static void ps_gemm_rows(const float *x, int64_t ldx, const float *wp, int64_t K
     ps_gemm_rows_of(x, ldx, wp, K, y, ldy, mr, bias, ncols, k0, k1, ahead, 0);
 }
 
-#if PS_GEMM_HAS_BF16
+/* bfloat16 panels (ps_gemm_bf16, below): both layouts step 4-byte elements of x and
+ * PS_GEMM_NR x 4 bytes of panel per k step, so the blocking below serves both. */
 static void ps_gemm_bf16_rows(const float *x, int64_t ldx, const float *wp, int64_t K, float *y,
                               int64_t ldy, int64_t mr, const float *bias, int64_t ncols,
                               int64_t k0, int64_t k1, ps_gemm_ahead *ahead) {
     ps_gemm_rows_of(x, ldx, wp, K, y, ldy, mr, bias, ncols, k0, k1, ahead, 1);
 }
-#endif
 
 /* The k slice of a call: all of K up to PS_GEMM_KC_MAX (every product of the models measured
  * here), else PS_GEMM_KC at a time, so that a row chunk of x (below) stays tens of rows high
@@ -246,7 +239,7 @@ static ps_gemm_ahead ps_gemm_next_block(const float *wp, int64_t K, int64_t b0, 
 static void ps_gemm_block_rows(const float *x, int64_t M, int64_t K, int64_t ldx,
                                const float *wp, int64_t N, const float *bias, float *y,
                                int64_t ldy, int64_t p0, int64_t p1, int64_t kc, int next,
-                               ps_gemm_rows_fn rows) {
+                               int bf16) {
     const int64_t panel_floats = K * PS_GEMM_NR;
     int64_t per_block = PS_GEMM_BLOCK_BYTES / (kc * PS_GEMM_NR * (int64_t)sizeof(float));
     if (per_block < 1) per_block = 1;
@@ -268,8 +261,14 @@ static void ps_gemm_block_rows(const float *x, int64_t M, int64_t K, int64_t ldx
                     const int64_t ncols = N - c0 < PS_GEMM_NR ? N - c0 : PS_GEMM_NR;
                     const int whole = ncols < PS_GEMM_NR;
                     if (whole && k0 > 0) continue;
-                    rows(x + m0 * ldx, ldx, wp + p * panel_floats, K, y + m0 * ldy + c0, ldy,
-                         mr, bias ? bias + c0 : 0, ncols, k0, whole ? K : k1, &ahead);
+                    /* a direct call each (the float32 one inlined here, as before) */
+                    const float *xt = x + m0 * ldx, *wt = wp + p * panel_floats;
+                    const int64_t kt = whole ? K : k1;
+                    float *yt = y + m0 * ldy + c0;
+                    const float *bt = bias ? bias + c0 : 0;
+                    if (PS_GEMM_HAS_BF16 && bf16)
+                        ps_gemm_bf16_rows(xt, ldx, wt, K, yt, ldy, mr, bt, ncols, k0, kt, &ahead);
+                    else ps_gemm_rows(xt, ldx, wt, K, yt, ldy, mr, bt, ncols, k0, kt, &ahead);
                 }
                 m0 += mr;
             }
@@ -282,7 +281,7 @@ static void ps_gemm_block_rows(const float *x, int64_t M, int64_t K, int64_t ldx
  * oneDNN). */
 static void ps_gemm_panels(const float *x, int64_t M, int64_t K, int64_t ldx, const float *wp,
                            int64_t N, const float *bias, float *y, int64_t ldy, int64_t p0,
-                           int64_t p1, ps_gemm_rows_fn rows) {
+                           int64_t p1, int bf16) {
     /* decode-sized calls (up to 64 rows) keep one pass: x fits L2 whole at any K there */
     const int64_t kc = K <= PS_GEMM_KC_MAX || M <= 64 ? K : PS_GEMM_KC;
     const int ahead = PS_GEMM_NEXT && M <= PS_GEMM_NEXT_ROWS;
@@ -291,14 +290,14 @@ static void ps_gemm_panels(const float *x, int64_t M, int64_t K, int64_t ldx, co
     for (int64_t m0 = 0; m0 < M; m0 += chunk) {
         const int64_t mc = M - m0 < chunk ? M - m0 : chunk;
         ps_gemm_block_rows(x + m0 * ldx, mc, K, ldx, wp, N, bias, y + m0 * ldy, ldy, p0, p1,
-                           kc, ahead ? (m0 + mc < M ? 2 : 1) : 0, rows);
+                           kc, ahead ? (m0 + mc < M ? 2 : 1) : 0, bf16);
     }
 }
 
 /* Each thread takes a contiguous run of panels (the weights are read once in all). */
 static void ps_gemm_threads(const float *x, int64_t M, int64_t K, int64_t ldx, const float *wp,
                             int64_t N, const float *bias, float *y, int64_t ldy, int32_t threads,
-                            ps_gemm_rows_fn rows) {
+                            int bf16) {
     const int64_t panels = (N + PS_GEMM_NR - 1) / PS_GEMM_NR;
     if (M <= 0 || panels <= 0) return;
     if (threads < 1) threads = 1;
@@ -311,7 +310,7 @@ static void ps_gemm_threads(const float *x, int64_t M, int64_t K, int64_t ldx, c
         const int64_t t = 0, nt = 1;
 #endif
         const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
-        ps_gemm_panels(x, M, K, ldx, wp, N, bias, y, ldy, p0, p1, rows);
+        ps_gemm_panels(x, M, K, ldx, wp, N, bias, y, ldy, p0, p1, bf16);
     }
 }
 
@@ -319,7 +318,7 @@ static void ps_gemm_threads(const float *x, int64_t M, int64_t K, int64_t ldx, c
  * or [N] floats; y: [M, N] rows ldy apart. */
 void ps_gemm_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const float *wp, int64_t N,
                  const float *bias, float *y, int64_t ldy, int32_t threads) {
-    ps_gemm_threads(x, M, K, ldx, wp, N, bias, y, ldy, threads, ps_gemm_rows);
+    ps_gemm_threads(x, M, K, ldx, wp, N, bias, y, ldy, threads, 0);
 }
 
 /*
@@ -348,7 +347,7 @@ int ps_gemm_bf16_available(void) { return 1; }
 void ps_gemm_bf16(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *wp,
                   int64_t N, const float *bias, float *y, int64_t ldy, int32_t threads) {
     ps_gemm_threads((const float *)x, M, K / 2, ldx / 2, (const float *)wp, N, bias, y, ldy,
-                    threads, ps_gemm_bf16_rows);
+                    threads, 1);
 }
 #else
 int ps_gemm_bf16_available(void) { return 0; }
