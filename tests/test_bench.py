@@ -182,6 +182,20 @@ def test_bfloat16_weights_run_as_a_system_of_their_own(tiny_model_dir: Path) -> 
     )
 
 
+def test_profile_engine_reports_the_bfloat16_mode_by_phase(tiny_model_dir: Path) -> None:
+    """``bench.profile_engine --weight-dtype bfloat16``: the phases' shares and the projections'
+    FLOPs by row count, counted from the bfloat16 weights' shapes as from float32 ones."""
+    cmd = [sys.executable, "-m", "bench.profile_engine", "--model", str(tiny_model_dir),
+           "--requests", "4", "--weight-dtype", "bfloat16"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    body = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert body["output_tokens"] > 0 and body["output_tok_s"] > 0
+    rows = body["linear_by_rows"]
+    assert rows and all(r["gflops"] > 0 for r in rows)
+    assert sum(r["pct_of_linear"] for r in rows) == pytest.approx(100, abs=1)
+
+
 def test_a_gpu_run_leaves_vllm_cpu_out() -> None:
     """``--device cuda``: vLLM-CPU is refused when named and left out of the default set; the
     placement and hf-static's batch sizes parse."""

@@ -313,6 +313,7 @@ def test_a_bfloat16_weight_multiplies_like_its_rounded_float32_copy(path: str) -
     packed = Bf16Weight.pack(weight, paths)
     assert isinstance(packed, Bf16Weight)
     assert (packed.panels is not None, packed.packed is not None) == (paths.native, paths.onednn)
+    assert packed.shape == (24, 16)
     rounded = weight.to(torch.bfloat16).float()
     for rows in (0, 1, 5, 130):
         x = torch.randn(rows, 16, generator=gen)

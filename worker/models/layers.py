@@ -111,6 +111,14 @@ class Bf16Weight:
         rows = paths.native_rows if packed is not None else 1 << 62
         return cls(packed, panels, rows if panels is not None else 0)
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(out, in)``, as the plain weight's (what ``bench.profile_engine`` counts FLOPs by)."""
+        if self.panels is not None:
+            return self.panels.shape
+        assert self.packed is not None
+        return self.packed.shape[0], self.packed.shape[1]
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.panels is not None and (x.numel() // x.shape[-1] <= self.native_rows):
             return self.panels.matmul(x, bias)
