@@ -65,11 +65,15 @@ def bf16_paths() -> Bf16Paths:
     choice = native.choice(native.BF16_GEMM_ENV, ("auto", "native", "onednn"))
     lib = native_gemm.for_packing() if choice != "onednn" else None
     has_native = lib is not None and lib.bf16
-    if choice == "native" and not has_native:
+    if choice == "native" and not has_native and not _WARNED:
+        _WARNED.append(True)  # once, not for every weight packed
         log.warning("%s=native: no bfloat16 C GEMM here; oneDNN instead", native.BF16_GEMM_ENV)
     if not has_native or (choice == "auto" and _has_amx()):
         return Bf16Paths(native=False, onednn=True)
     return Bf16Paths(native=True, onednn=False)
+
+
+_WARNED: list[bool] = []
 
 
 def _has_amx() -> bool:
