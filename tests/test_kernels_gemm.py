@@ -5,10 +5,14 @@ machines compile (``-DPS_WIDE_LANES=8``) and the 16-float one (``-DPS_WIDE_LANES
 tiles; on an AVX2 machine GCC runs each 16-float vector as two, so its logic is tested here
 too), at the row
 counts an engine step has (1 row to a 2048-token prefill chunk, heights that leave every tile
-remainder), column counts that are not a multiple of a panel, with and without bias.
+remainder), column counts that are not a multiple of a panel, with and without bias. Each test
+runs float32 panels and, where the build has AVX512-BF16 (``--weight-dtype bfloat16``'s
+``vdpbf16ps`` path), bfloat16 ones, against the float64 product of the rounded operands.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -33,9 +37,37 @@ def gemm(request: pytest.FixtureRequest) -> native_gemm.NativeGemm:
     return lib
 
 
-def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    y = x.double() @ w.double().T
+def reference(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """float64 product of ``x`` and ``w`` as rounded to ``dtype`` (what the kernel multiplies)."""
+    y = x.to(dtype).double() @ w.to(dtype).double().T
     return (y if b is None else y + b.double()).float()
+
+
+@dataclass(frozen=True)
+class Packing:
+    """float32 panels (``pack``) or bfloat16 ones (``pack_bf16``) of one build."""
+
+    gemm: native_gemm.NativeGemm
+    dtype: torch.dtype
+
+    def pack(self, w: torch.Tensor) -> native_gemm.PanelWeight:
+        bf16 = self.dtype == torch.bfloat16
+        return self.gemm.pack_bf16(w) if bf16 else self.gemm.pack(w)
+
+    def reference(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        return reference(x, w, b, self.dtype)
+
+    def on(self, gemm: native_gemm.NativeGemm) -> Packing:
+        return Packing(gemm, self.dtype)
+
+
+@pytest.fixture(params=["float32", "bfloat16"])
+def packing(request: pytest.FixtureRequest, gemm: native_gemm.NativeGemm) -> Packing:
+    if request.param == "bfloat16" and not gemm.bf16:
+        pytest.skip("this build has no bfloat16 path (AVX-512 with AVX512-BF16)")
+    return Packing(gemm, getattr(torch, request.param))
 
 
 def tolerance(k: int) -> float:
@@ -47,45 +79,49 @@ def tolerance(k: int) -> float:
 @pytest.mark.parametrize("out_in", [(16, 8), (40, 24), (1000, 100), (96, 1536)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_gemm_matches_float64(
-    gemm: native_gemm.NativeGemm, rows: int, out_in: tuple[int, int], with_bias: bool
+    packing: Packing, rows: int, out_in: tuple[int, int], with_bias: bool
 ) -> None:
     n, k = out_in
     gen = torch.Generator().manual_seed(rows * 7919 + n)
     w = torch.randn(n, k, generator=gen)
     b = torch.randn(n, generator=gen) if with_bias else None
     x = torch.randn(rows, k, generator=gen)
-    got = gemm.pack(w).matmul(x, b)
-    assert got.shape == (rows, n)
-    torch.testing.assert_close(got, reference(x, w, b), rtol=0, atol=tolerance(k))
+    packed = packing.pack(w)
+    assert packed.panels.dtype == packing.dtype and packed.shape == (n, k)
+    got = packed.matmul(x, b)
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got, packing.reference(x, w, b), rtol=0, atol=tolerance(k))
 
 
-def test_large_prefill_rows_cross_the_row_chunks(gemm: native_gemm.NativeGemm) -> None:
+def test_large_prefill_rows_cross_the_row_chunks(packing: Packing) -> None:
     """2048 rows x K 1536: several x chunks (the kernel's L2-sized row blocks) per call."""
     gen = torch.Generator().manual_seed(3)
     w, x = torch.randn(72, 1536, generator=gen), torch.randn(2048, 1536, generator=gen)
-    torch.testing.assert_close(gemm.pack(w).matmul(x), reference(x, w, None), rtol=0,
+    torch.testing.assert_close(packing.pack(w).matmul(x), packing.reference(x, w, None), rtol=0,
                                atol=tolerance(1536))  # fmt: skip
 
 
-def test_long_k_runs_in_slices_with_the_same_sums(gemm: native_gemm.NativeGemm) -> None:
+def test_long_k_runs_in_slices_with_the_same_sums(packing: Packing) -> None:
     """K above the kernel's one-pass limit with many rows goes in k slices through partial sums
     in y; the sums are the same additions in the same order as one pass over K: each row of a
     300-row call equals that row computed alone (one pass, 1 row), bit for bit, also in the last
     panel of an N that is not a multiple of the panel width (the one that runs K whole)."""
     gen = torch.Generator().manual_seed(11)
     weight, bias = torch.randn(56, 3000, generator=gen), torch.randn(56, generator=gen)
-    w, x = gemm.pack(weight), torch.randn(300, 3000, generator=gen)
+    w, x = packing.pack(weight), torch.randn(300, 3000, generator=gen)
     batch = w.matmul(x, bias)
     for r in (0, 150, 299):
         assert torch.equal(w.matmul(x[r : r + 1], bias), batch[r : r + 1])
-    torch.testing.assert_close(batch, reference(x, weight, bias), rtol=0, atol=tolerance(3000))
+    want = packing.reference(x, weight, bias)
+    torch.testing.assert_close(batch, want, rtol=0, atol=tolerance(3000))
 
 
-def test_a_row_gives_the_same_bits_alone_or_in_a_batch(gemm: native_gemm.NativeGemm) -> None:
+def test_a_row_gives_the_same_bits_alone_or_in_a_batch(packing: Packing) -> None:
     """Each output is one ordered sum over k: a row's result does not depend on its batch, the
     tile it lands in or the thread count (unlike blocked BLAS kernels)."""
     gen = torch.Generator().manual_seed(5)
-    w, x = gemm.pack(torch.randn(300, 200, generator=gen)), torch.randn(37, 200, generator=gen)
+    w = packing.pack(torch.randn(300, 200, generator=gen))
+    x = torch.randn(37, 200, generator=gen)
     batch = w.matmul(x)
     threads = torch.get_num_threads()
     try:
@@ -98,7 +134,7 @@ def test_a_row_gives_the_same_bits_alone_or_in_a_batch(gemm: native_gemm.NativeG
 
 @pytest.mark.parametrize("rows", [1, 12, 64, 97, 256])
 def test_requests_for_the_next_block_change_no_value(
-    gemm: native_gemm.NativeGemm, rows: int
+    gemm: native_gemm.NativeGemm, packing: Packing, rows: int
 ) -> None:
     """Decode-sized calls ask for each thread's next block of weight panels while the current
     one is multiplied (``PS_GEMM_NEXT``), also across row chunks (K 1536 splits 97 and 256 rows
@@ -109,7 +145,7 @@ def test_requests_for_the_next_block_change_no_value(
     for n, k in ((1000, 100), (200, 1536), (3072, 576)):
         weight, bias = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
         x = torch.randn(rows, k, generator=gen)
-        w, w_plain = gemm.pack(weight), plain.pack(weight)
+        w, w_plain = packing.pack(weight), packing.on(plain).pack(weight)
         threads = torch.get_num_threads()
         try:
             for t in {1, max(2, threads)}:
@@ -124,27 +160,45 @@ def gemm_flags(gemm: native_gemm.NativeGemm) -> list[str]:
     return BUILDS["wide"] if gemm.panel_width == 32 else BUILDS["narrow"]
 
 
-def test_strided_rows_leading_dims_and_empty_input(gemm: native_gemm.NativeGemm) -> None:
+def test_strided_rows_leading_dims_and_empty_input(packing: Packing) -> None:
     gen = torch.Generator().manual_seed(9)
     weight = torch.randn(24, 16, generator=gen)
-    w = gemm.pack(weight)
+    w = packing.pack(weight)
     wide = torch.randn(6, 40, generator=gen)
     x = wide[:, 8:24]  # rows 40 floats apart
-    torch.testing.assert_close(w.matmul(x), reference(x, weight, None), rtol=0, atol=1e-4)
+    torch.testing.assert_close(w.matmul(x), packing.reference(x, weight, None), rtol=0, atol=1e-4)
     x3 = torch.randn(2, 3, 16, generator=gen)
-    torch.testing.assert_close(w.matmul(x3), x3 @ weight.T, rtol=0, atol=1e-4)
+    want = packing.reference(x3.reshape(6, 16), weight, None).reshape(2, 3, 24)
+    torch.testing.assert_close(w.matmul(x3), want, rtol=0, atol=1e-4)
     assert w.matmul(torch.empty(0, 16)).shape == (0, 24)
     assert w.shape == (24, 16)
 
 
-def test_bad_inputs_are_refused(gemm: native_gemm.NativeGemm) -> None:
-    w = gemm.pack(torch.randn(8, 4))
+def test_bad_inputs_are_refused(packing: Packing) -> None:
+    w = packing.pack(torch.randn(8, 4))
     with pytest.raises(ValueError):
         w.matmul(torch.randn(3, 5))
     with pytest.raises(ValueError):
         w.matmul(torch.randn(3, 4), torch.randn(7))
     with pytest.raises(ValueError):
-        gemm.pack(torch.randn(8, 4, dtype=torch.float64))
+        packing.pack(torch.randn(8, 4, dtype=torch.float64))
+    if packing.dtype == torch.bfloat16:  # k in pairs
+        with pytest.raises(ValueError, match="even number"):
+            packing.pack(torch.randn(8, 5))
+
+
+def test_the_bfloat16_path_exists_where_the_cpu_has_avx512_bf16() -> None:
+    """The machine's build has it exactly where torch sees AVX512-BF16 with AVX-512 vectors; the
+    8-float build never, and packing for it then says why."""
+    machine = native_gemm.load(flags=BUILDS["machine"])
+    narrow = native_gemm.load(flags=BUILDS["narrow"])
+    assert machine is not None and narrow is not None
+    probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    if probe is not None and machine.panel_width == 32:
+        assert machine.bf16 == bool(probe())
+    assert narrow.bf16 is False
+    with pytest.raises(ValueError, match="no bfloat16 path"):
+        narrow.pack_bf16(torch.randn(8, 4))
 
 
 def test_switch_selects_the_packing(monkeypatch: pytest.MonkeyPatch) -> None:
