@@ -10,7 +10,7 @@ run on the same thread count. Prints one JSON line.
     python -m bench.throughput [--preset quick|full|smollm2]
         [--workload mixed|uniform|shared-prefix|all]
         [--model DIR|FILE.gguf] [--vllm-python PATH] [--vllm-malloc auto|tcmalloc|glibc]
-        [--systems ours,base,hf-static,hf-cb,vllm,ours-bf16w,base-bf16w,vllm-bf16] [--base DIR]
+        [--systems ours,base,hf-static,hf-cb,vllm,ours-bf16w,...] [--base DIR]
         [--threads 2] [--repeats N]
 
 ``base`` is our engine from another checkout (``--base DIR``, e.g. ``git worktree add --detach
@@ -20,7 +20,10 @@ run on the same thread count. Prints one JSON line.
 float32 activations: a speed mode with other numerics, never counted as float32) and
 ``vllm-bf16`` is vLLM-CPU in ``dtype="bfloat16"`` (its fastest on AMX CPUs); with both, the
 figures also carry ``ours-bf16w/vllm-bf16``; ``base-bf16w`` is ``base`` in that mode (an A/B of
-the mode's products, ratio ``ours-bf16w/base-bf16w``). None runs unless ``--systems`` names it.
+the mode's products, ratio ``ours-bf16w/base-bf16w``); ``ours-bf16w-native`` / ``-onednn``
+force its products onto our C GEMM or oneDNN (``PAGEDSERVE_BF16_GEMM``; ratio
+``ours-bf16w-native/ours-bf16w-onednn``: the A/B an AMX CPU still needs). None runs unless
+``--systems`` names it.
 """
 
 from __future__ import annotations
@@ -58,11 +61,15 @@ ALL_SYSTEMS = (
     "ours-bf16w",
     "base-bf16w",
     "vllm-bf16",
+    "ours-bf16w-native",
+    "ours-bf16w-onednn",
 )
 #: Systems that are another one with other options (bfloat16: not in a default run).
 VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
     "ours-bf16w": ("ours", {"weight_dtype": "bfloat16"}),
     "base-bf16w": ("base", {"weight_dtype": "bfloat16"}),
+    "ours-bf16w-native": ("ours", {"weight_dtype": "bfloat16", "bf16_gemm": "native"}),
+    "ours-bf16w-onednn": ("ours", {"weight_dtype": "bfloat16", "bf16_gemm": "onednn"}),
     "vllm-bf16": ("vllm", {"vllm_dtype": "bfloat16"}),
 }
 WORKLOADS = ("mixed", "uniform", "shared-prefix")
@@ -376,6 +383,8 @@ def throughput_workload(wl: Workload, systems: list[str], ctx: dict[str, Any]) -
     pairs += [
         ("ours-bf16w", s) for s in ("base-bf16w", "vllm-bf16") if "ours-bf16w" in res and s in res
     ]
+    if "ours-bf16w-native" in res and "ours-bf16w-onednn" in res:  # the mode's two kernels
+        pairs.append(("ours-bf16w-native", "ours-bf16w-onednn"))
     body: dict[str, Any] = {
         "systems": res,
         "ratios": {f"{a}/{b}": ratio(res[a], res[b]) for a, b in pairs},
@@ -389,7 +398,16 @@ def throughput_workload(wl: Workload, systems: list[str], ctx: dict[str, Any]) -
 
 
 #: Systems with a prefix cache: the ones ``shared-prefix`` compares.
-PREFIX_CACHING = ("ours", "base", "vllm", "ours-bf16w", "base-bf16w", "vllm-bf16")
+PREFIX_CACHING = (
+    "ours",
+    "base",
+    "vllm",
+    "ours-bf16w",
+    "base-bf16w",
+    "vllm-bf16",
+    "ours-bf16w-native",
+    "ours-bf16w-onednn",
+)
 
 
 def prefix_workload(wl: Workload, systems: list[str], ctx: dict[str, Any]) -> dict[str, Any]:

@@ -182,6 +182,27 @@ def test_bfloat16_weights_run_as_a_system_of_their_own(tiny_model_dir: Path) -> 
     )
 
 
+def test_the_bfloat16_modes_kernels_run_as_systems_of_their_own(tiny_model_dir: Path) -> None:
+    """``--systems ours-bf16w-native,ours-bf16w-onednn``: the mode with its products forced onto
+    our C GEMM and onto oneDNN (the A/B an AMX CPU needs), each saying which it ran (the C path
+    falls back to oneDNN where it does not build), and their ratio."""
+    from kernels import gemm
+
+    lib = gemm.load()
+    systems = "ours-bf16w-native,ours-bf16w-onednn"
+    cmd = [sys.executable, "-m", "bench.throughput", "--preset", "smoke", "--workload", "mixed",
+           "--systems", systems, "--model", str(tiny_model_dir)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    body = json.loads(proc.stdout.strip().splitlines()[-1])["workloads"]["mixed"]
+    native, onednn = body["systems"]["ours-bf16w-native"], body["systems"]["ours-bf16w-onednn"]
+    assert native["ok"] and onednn["ok"] and native["bf16_weights"] and onednn["bf16_weights"]
+    assert native["bf16_gemm"] == ("native" if lib is not None and lib.bf16 else "onednn")
+    assert onednn["bf16_gemm"] == "onednn"
+    want = round(native["output_tok_s"] / onednn["output_tok_s"], 2)
+    assert body["ratios"]["ours-bf16w-native/ours-bf16w-onednn"] == want
+
+
 def test_profile_engine_reports_the_bfloat16_mode_by_phase(tiny_model_dir: Path) -> None:
     """``bench.profile_engine --weight-dtype bfloat16``: the phases' shares and the projections'
     FLOPs by row count, counted from the bfloat16 weights' shapes as from float32 ones."""

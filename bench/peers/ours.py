@@ -8,6 +8,7 @@ KV waste is sampled from ``engine.scheduler.occupancy()`` every few engine steps
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,9 +67,12 @@ class WasteSampler:
 
 
 def build_llm(job: Job) -> Any:
+    from kernels import native
     from worker.llm import LLM
 
     opts = job.options
+    if opts.get("bf16_gemm"):  # ours-bf16w-native / -onednn: the mode's products forced
+        os.environ[native.BF16_GEMM_ENV] = opts["bf16_gemm"]
     return LLM(
         job.model,
         dtype=opts.get("dtype", "float32"),
@@ -115,6 +119,7 @@ def run(job: Job) -> dict[str, Any]:
     result["prefix_hit_tokens"] = h1 - h0
     result["num_kv_blocks"] = llm.engine.runner.layout.num_blocks
     result["bf16_weights"] = _bf16_weights(llm)
+    result["bf16_gemm"] = _bf16_gemm(llm)
     result["length_mismatches"] = len(wrong)
     result["ok"] = not wrong
     return result
@@ -125,6 +130,16 @@ def _bf16_weights(llm: Any) -> bool:
     from worker.models.layers import Bf16Weight
 
     return isinstance(llm.engine.runner.model.lm_head_weight, Bf16Weight)
+
+
+def _bf16_gemm(llm: Any) -> str | None:
+    """Which kernels multiply the bfloat16 weights (``native``, ``onednn`` or ``both``); None in
+    float32."""
+    weight = llm.engine.runner.model.lm_head_weight
+    if not _bf16_weights(llm):
+        return None
+    kinds = [k for k, v in (("native", weight.panels), ("onednn", weight.packed)) if v is not None]
+    return kinds[0] if len(kinds) == 1 else "both"
 
 
 def _timed_generate(llm: Any, job: Job, params: list[Any]) -> tuple[list[Any], float]:
