@@ -398,16 +398,7 @@ def throughput_workload(wl: Workload, systems: list[str], ctx: dict[str, Any]) -
 
 
 #: Systems with a prefix cache: the ones ``shared-prefix`` compares.
-PREFIX_CACHING = (
-    "ours",
-    "base",
-    "vllm",
-    "ours-bf16w",
-    "base-bf16w",
-    "vllm-bf16",
-    "ours-bf16w-native",
-    "ours-bf16w-onednn",
-)
+PREFIX_CACHING = tuple(s for s in ALL_SYSTEMS if not s.startswith("hf-"))  # transformers: none
 
 
 def prefix_workload(wl: Workload, systems: list[str], ctx: dict[str, Any]) -> dict[str, Any]:
