@@ -55,7 +55,7 @@ def bf16_product(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]
     """``--bf16``: the engine's ``--weight-dtype bfloat16`` product through oneDNN
     (:class:`worker.models.layers.Bf16Weight`: AMX's ``brg_matmul`` where the CPU has it);
     None where this torch has no oneDNN linear."""
-    packed = layers.Bf16Weight.pack(weight, layers.Bf16Paths(native=False, onednn=True))
+    packed = layers.Bf16Weight.pack(weight, use_native=False)
     return None if packed is None else packed.matmul
 
 

@@ -40,7 +40,7 @@ FUSED_ENV = "PAGEDSERVE_FUSED_OPS"
 #: The projection GEMM of ``kernels/gemm.py``: auto / 1 / 0 (also off with ``DISABLE_ENV``).
 GEMM_ENV = "PAGEDSERVE_NATIVE_GEMM"
 #: ``--weight-dtype bfloat16``'s products: auto / native (the C GEMM's AVX512-BF16 path) /
-#: onednn (read by :func:`worker.models.layers.bf16_paths` through :func:`choice`).
+#: onednn (read by :func:`worker.models.layers.bf16_native` through :func:`choice`).
 BF16_GEMM_ENV = "PAGEDSERVE_BF16_GEMM"
 CACHE_ENV = "PAGEDSERVE_KERNEL_CACHE"
 #: Prefill chunks through the tiled prefill kernel (``paged_prefill.h``); 0 runs their tokens as

@@ -192,7 +192,7 @@ def test_bfloat16_weights_answer_like_float32_on_trained_weights(
     from worker.models import layers
 
     monkeypatch.setenv("PAGEDSERVE_BF16_GEMM", path)
-    if layers.bf16_paths() != layers.Bf16Paths(native=path == "native", onednn=path == "onednn"):
+    if layers.bf16_native() != (path == "native"):
         pytest.skip(f"no {path} bfloat16 products on this machine")
     fast = LLM(real_model_dir, enable_prefix_caching=True, weight_dtype="bfloat16", **STRESS)
     greedy = SamplingParams(temperature=0, max_tokens=32, logprobs=2)

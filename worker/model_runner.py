@@ -73,7 +73,7 @@ def resolve_weight_dtype(name: str, dtype: torch.dtype, device: torch.device) ->
             "--weight-dtype bfloat16 is a CPU mode for float32 models (bfloat16 weights, "
             "float32 activations); on a GPU use --dtype bfloat16"
         )
-    if not layers.onednn_available() and not layers.bf16_paths().native:
+    if not layers.onednn_available() and not layers.bf16_native():
         raise ValueError(
             "--weight-dtype bfloat16 needs torch's oneDNN (mkldnn) linear or the C GEMM's "
             "bfloat16 path (AVX512-BF16)"

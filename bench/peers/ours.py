@@ -133,13 +133,10 @@ def _bf16_weights(llm: Any) -> bool:
 
 
 def _bf16_gemm(llm: Any) -> str | None:
-    """Which kernels multiply the bfloat16 weights (``native``, ``onednn`` or ``both``); None in
-    float32."""
-    weight = llm.engine.runner.model.lm_head_weight
+    """Which kernel multiplies the bfloat16 weights (``native`` or ``onednn``); None in float32."""
     if not _bf16_weights(llm):
         return None
-    kinds = [k for k, v in (("native", weight.panels), ("onednn", weight.packed)) if v is not None]
-    return kinds[0] if len(kinds) == 1 else "both"
+    return "native" if llm.engine.runner.model.lm_head_weight.panels is not None else "onednn"
 
 
 def _timed_generate(llm: Any, job: Job, params: list[Any]) -> tuple[list[Any], float]:

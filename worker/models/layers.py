@@ -48,29 +48,18 @@ def _bucket_rows(m: int) -> int:
     return -(-m // step) * step
 
 
-@dataclass(frozen=True)
-class Bf16Paths:
-    """Which kernels multiply bfloat16 weights: our C GEMM (products of up to ``native_rows``
-    rows, or all when oneDNN is not kept) and/or oneDNN (the rest)."""
-
-    native: bool
-    onednn: bool
-    native_rows: int = 1 << 62
-
-
-def bf16_paths() -> Bf16Paths:
-    """The C GEMM where its bfloat16 path builds (AVX512-BF16), except on CPUs with AMX, where
-    oneDNN's AMX kernels (measured there, 2-6x float32) stay; ``PAGEDSERVE_BF16_GEMM`` forces
-    one (``native`` falls back to oneDNN, logged, where the C path is missing)."""
+def bf16_native() -> bool:
+    """Whether bfloat16 weights go to our C GEMM (``vdpbf16ps``) rather than oneDNN: where its
+    bfloat16 path builds (AVX512-BF16), except on CPUs with AMX, where oneDNN's AMX kernels
+    (measured there, 2-6x float32) stay; ``PAGEDSERVE_BF16_GEMM`` forces one (``native`` falls
+    back to oneDNN, logged once, where the C path is missing)."""
     choice = native.choice(native.BF16_GEMM_ENV, ("auto", "native", "onednn"))
     lib = native_gemm.for_packing() if choice != "onednn" else None
     has_native = lib is not None and lib.bf16
     if choice == "native" and not has_native and not _WARNED:
         _WARNED.append(True)  # once, not for every weight packed
         log.warning("%s=native: no bfloat16 C GEMM here; oneDNN instead", native.BF16_GEMM_ENV)
-    if not has_native or (choice == "auto" and _has_amx()):
-        return Bf16Paths(native=False, onednn=True)
-    return Bf16Paths(native=True, onednn=False)
+    return has_native and not (choice == "auto" and _has_amx())
 
 
 _WARNED: list[bool] = []
@@ -84,10 +73,10 @@ def _has_amx() -> bool:
 @dataclass(frozen=True, slots=True)
 class Bf16Weight:
     """``--weight-dtype bfloat16``: a projection weight rounded to bfloat16, packed for our C
-    GEMM (:meth:`kernels.gemm.NativeGemm.pack_bf16`) and/or for oneDNN (:func:`bf16_paths`);
-    each product rounds its float32 input to bfloat16 and returns float32 (the bias, if any,
-    added in float32). Everything else (norms, rope, attention, the KV cache, sampling) stays
-    float32.
+    GEMM (``panels``, :meth:`kernels.gemm.NativeGemm.pack_bf16`) or for oneDNN (``packed``), as
+    :func:`bf16_native` says; each product rounds its float32 input to bfloat16 and returns
+    float32 (the bias, if any, added in float32). Everything else (norms, rope, attention, the
+    KV cache, sampling) stays float32.
 
     Why: on CPUs with AMX, oneDNN's bfloat16 matmul (``brg_matmul:avx10_1_512_amx``) ran
     SmolLM2's projections 4-6x faster than any float32 path at prefill sizes and 2-3x at decode
@@ -95,25 +84,19 @@ class Bf16Weight:
     the decode steps' weights at half float32's bytes (bench/README.md). An explicit option
     only: outputs are no longer token-for-token those of float32 ``transformers``."""
 
-    packed: torch.Tensor | None
+    packed: torch.Tensor | None = None
     panels: PanelWeight | None = None
-    native_rows: int = 0
 
     @classmethod
-    def pack(cls, weight: torch.Tensor, paths: Bf16Paths | None = None) -> Bf16Weight | None:
-        """None where neither path exists (no oneDNN linear, no bfloat16 C GEMM)."""
-        paths = paths or bf16_paths()
-        lib = native_gemm.load() if paths.native else None
-        panels = None
+    def pack(cls, weight: torch.Tensor, use_native: bool | None = None) -> Bf16Weight | None:
+        """Through the C GEMM where ``use_native`` (default: :func:`bf16_native`) and the input
+        width is even, else oneDNN; None where this torch has no oneDNN linear either."""
+        use_native = bf16_native() if use_native is None else use_native
+        lib = native_gemm.load() if use_native else None
         if lib is not None and lib.bf16 and weight.shape[1] % 2 == 0:
-            panels = lib.pack_bf16(weight)
-        packed = None
-        if paths.onednn or panels is None:
-            packed = pack_for_onednn(weight.detach().to(torch.bfloat16))
-        if packed is None and panels is None:
-            return None
-        rows = paths.native_rows if packed is not None else 1 << 62
-        return cls(packed, panels, rows if panels is not None else 0)
+            return cls(panels=lib.pack_bf16(weight))
+        packed = pack_for_onednn(weight.detach().to(torch.bfloat16))
+        return None if packed is None else cls(packed=packed)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -124,7 +107,7 @@ class Bf16Weight:
         return self.packed.shape[0], self.packed.shape[1]
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.panels is not None and (x.numel() // x.shape[-1] <= self.native_rows):
+        if self.panels is not None:
             return self.panels.matmul(x, bias)
         assert self.packed is not None
         out = _onednn_linear(x.to(torch.bfloat16), self.packed, None).float()
