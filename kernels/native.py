@@ -10,6 +10,10 @@ It links OpenMP by the soname ``libgomp.so.1``: loaded after torch, the dynamic 
 the copy torch already uses, so the kernel's threads are torch's threads (no second pool
 spinning against the first).
 
+The cache may be float32 or bfloat16 (``--kv-cache-dtype bfloat16``): one library per cache
+dtype, from the same source (``-DPS_KV_BF16=1``, ``kernels/csrc/ps_kv.h``; keys and values are
+widened to float32 as they are loaded), each built when a cache of its dtype first needs it.
+
 Nothing here is required: without a compiler, with ``PAGEDSERVE_NATIVE_KERNELS=0``, or for a
 dtype/shape the kernel does not cover, :class:`kernels.torch_backend.TorchBackend` keeps its
 pure-torch path, which stays the reference the kernel is tested against.
@@ -43,6 +47,12 @@ GEMM_ENV = "PAGEDSERVE_NATIVE_GEMM"
 #: onednn (read by :func:`worker.models.layers.bf16_native` through :func:`choice`).
 BF16_GEMM_ENV = "PAGEDSERVE_BF16_GEMM"
 CACHE_ENV = "PAGEDSERVE_KERNEL_CACHE"
+#: The cache dtypes the kernels read, the flags that build each library and its functions'
+#: suffix (kernels/csrc/ps_kv.h).
+KV_BUILDS: dict[torch.dtype, tuple[list[str], str]] = {
+    torch.float32: ([], "f32"),
+    torch.bfloat16: (["-DPS_KV_BF16=1"], "bf16"),
+}
 #: Prefill chunks through the tiled prefill kernel (``paged_prefill.h``); 0 runs their tokens as
 #: decode rows of the decode kernel, as before it (for A/Bs).
 TILED_PREFILL_ENV = "PAGEDSERVE_TILED_PREFILL"
@@ -177,17 +187,23 @@ class PrefixStart:
 
 
 class NativeDecode:
-    """The loaded kernel library."""
+    """The loaded kernel library for caches of ``kv_dtype`` (built with its
+    :data:`KV_BUILDS` flags)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, kv_dtype: torch.dtype = torch.float32) -> None:
         self.path = path
+        self.kv_dtype = kv_dtype
+        suffix = KV_BUILDS[kv_dtype][1]
         self._lib = ctypes.CDLL(str(path))
-        self._lib.ps_decode_attention_f32.argtypes = [ctypes.POINTER(_DecodeArgs)]
-        self._lib.ps_decode_attention_f32.restype = ctypes.c_int
-        self._lib.ps_read_blocks_f32.argtypes = [ctypes.POINTER(_DecodeArgs)]
-        self._lib.ps_read_blocks_f32.restype = ctypes.c_double
-        self._lib.ps_prefill_attention_f32.argtypes = [ctypes.POINTER(_PrefillArgs)]
-        self._lib.ps_prefill_attention_f32.restype = ctypes.c_int
+        self._decode = getattr(self._lib, f"ps_decode_attention_{suffix}")
+        self._read_blocks = getattr(self._lib, f"ps_read_blocks_{suffix}")
+        self._prefill = getattr(self._lib, f"ps_prefill_attention_{suffix}")
+        self._decode.argtypes = [ctypes.POINTER(_DecodeArgs)]
+        self._decode.restype = ctypes.c_int
+        self._read_blocks.argtypes = [ctypes.POINTER(_DecodeArgs)]
+        self._read_blocks.restype = ctypes.c_double
+        self._prefill.argtypes = [ctypes.POINTER(_PrefillArgs)]
+        self._prefill.restype = ctypes.c_int
         self._lib.ps_prefill_lanes.restype = ctypes.c_int
         #: :meth:`prefill` takes head sizes that are multiples of this (its vector width)
         self.prefill_lanes = int(self._lib.ps_prefill_lanes())
@@ -198,13 +214,14 @@ class NativeDecode:
         )
 
     def supports(self, query: torch.Tensor, k_cache: torch.Tensor) -> bool:
-        """float32 on the CPU, contiguous cache, shapes within the kernel's stack buffers."""
+        """float32 queries on the CPU, a contiguous cache of this build's dtype, shapes within
+        the kernel's stack buffers."""
         _, block_size, num_kv_heads, head_dim = k_cache.shape
         num_heads = query.shape[1]
         return (
             query.device.type == "cpu"
             and query.dtype == torch.float32
-            and k_cache.dtype == torch.float32
+            and k_cache.dtype == self.kv_dtype
             and k_cache.is_contiguous()
             and query.stride(2) == 1
             and query.stride(1) == head_dim
@@ -245,7 +262,7 @@ class NativeDecode:
             args.start_lse = start.lse.data_ptr()
             args.start_slot = start.slots.data_ptr()
             args.start_rows = start.out.shape[0]
-        if self._lib.ps_decode_attention_f32(ctypes.byref(args)) != 0:
+        if self._decode(ctypes.byref(args)) != 0:
             raise ValueError("shapes outside the native decode kernel's limits")
 
     def supports_prefill(self, query: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -297,7 +314,7 @@ class NativeDecode:
             lse=0 if lse is None else lse.data_ptr(),
             query_rows=0 if query_rows is None else query_rows.data_ptr(),
         )
-        code = self._lib.ps_prefill_attention_f32(ctypes.byref(args))
+        code = self._prefill(ctypes.byref(args))
         if code == -2:
             raise MemoryError("the prefill kernel could not allocate its key buffer")
         if code != 0:
@@ -317,7 +334,7 @@ class NativeDecode:
         _, _, num_kv_heads, head_dim = k_cache.shape
         q = torch.empty(1, num_kv_heads, head_dim)  # read by no one: rows carry no heads here
         args = self._args(q, (k_cache, v_cache), block_tables, rows, 1.0, window, (q, q))
-        return float(self._lib.ps_read_blocks_f32(ctypes.byref(args)))
+        return float(self._read_blocks(ctypes.byref(args)))
 
     @staticmethod
     def _args(
@@ -348,7 +365,11 @@ class NativeDecode:
         k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, out: torch.Tensor
     ) -> None:
         """What :meth:`decode` and :meth:`prefill` need beyond :meth:`supports`."""
-        if v_cache.shape != k_cache.shape or not v_cache.is_contiguous():
+        if (
+            v_cache.shape != k_cache.shape
+            or v_cache.dtype != k_cache.dtype
+            or not v_cache.is_contiguous()
+        ):
             raise ValueError("v_cache must be a contiguous tensor shaped like k_cache")
         if block_tables.dtype != torch.int32 or not block_tables.is_contiguous():
             raise ValueError("block_tables must be a contiguous int32 tensor")
@@ -484,24 +505,26 @@ def switched_off(name: str) -> bool:
     return os.environ.get(name, "1").strip().lower() in ("0", "false", "no", "off")
 
 
-_LOADED: NativeDecode | None = None
-_TRIED = False
+_LOADED: dict[torch.dtype, NativeDecode | None] = {}
 
 
-def load() -> NativeDecode | None:
-    """The kernel, built on first call; None (logged once) when disabled or not buildable."""
-    global _LOADED, _TRIED
-    if _TRIED:
-        return _LOADED
-    _TRIED = True
+def load(kv_dtype: torch.dtype = torch.float32) -> NativeDecode | None:
+    """The kernel for caches of ``kv_dtype``, built on first call; None (logged once) when
+    disabled, not buildable, or for a dtype no build reads."""
+    if kv_dtype in _LOADED:
+        return _LOADED[kv_dtype]
+    _LOADED[kv_dtype] = None
     if switched_off(DISABLE_ENV):
         log.info("native CPU decode kernel disabled by %s", DISABLE_ENV)
         return None
+    if kv_dtype not in KV_BUILDS:
+        return None
     try:
-        _LOADED = NativeDecode(build())
+        flags = [*FLAGS, *KV_BUILDS[kv_dtype][0]]
+        _LOADED[kv_dtype] = NativeDecode(build(flags=flags), kv_dtype)
     except (OSError, RuntimeError) as exc:
         log.warning("native CPU decode kernel unavailable, using the torch path: %s", exc)
-    return _LOADED
+    return _LOADED[kv_dtype]
 
 
 __all__ = ["DecodeRows", "NativeDecode", "PrefillChunks", "build", "load", "switched_off"]

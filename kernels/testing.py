@@ -72,8 +72,10 @@ def make_batch(
     device: torch.device | str = "cpu",
     seed: int = 0,
     spare_blocks: int = 3,
+    cache_dtype: torch.dtype | None = None,
 ) -> PagedBatch:
-    """Random query/key/value and a cache whose old positions hold random values.
+    """Random query/key/value and a cache whose old positions hold random values (the cache in
+    ``cache_dtype``, default ``dtype``).
 
     Unused slots are filled with large values so that reading outside a sequence's context
     shows up as a wrong answer rather than passing silently.
@@ -103,8 +105,8 @@ def make_batch(
         query=query.to(device=device, dtype=dtype),
         key=key.to(device=device, dtype=dtype),
         value=value.to(device=device, dtype=dtype),
-        k_cache=k_cache.to(device=device, dtype=dtype),
-        v_cache=v_cache.to(device=device, dtype=dtype),
+        k_cache=k_cache.to(device=device, dtype=cache_dtype or dtype),
+        v_cache=v_cache.to(device=device, dtype=cache_dtype or dtype),
         meta=meta,
     )
 

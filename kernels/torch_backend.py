@@ -18,7 +18,8 @@ while it is still in the CPU's caches:
   the tiled kernel takes; with 16-float vectors the groups run in the tiled C kernel's
   all-keys mode instead of a flash call, and decode rows in the C kernel continue their
   group's result (its output and log-sum-exp start the row's online softmax: no merge).
-* decode tokens with float32 caches go to the C kernel of :mod:`kernels.native` when it is built:
+* decode tokens with float32 or bfloat16 caches (float32 queries) go to the C kernel of
+  :mod:`kernels.native` (one build per cache dtype) when it is built:
   one call per layer for every decode row, reading its blocks in place through the block table
   (no gather) and writing the output rows; a row in a shared-prefix group starts from its
   group's output and log-sum-exp (from either kind of group), so it needs no merge. On
@@ -201,22 +202,27 @@ class TorchBackend:
         cascade: CascadePolicy | None = None,
     ) -> None:
         """``native``: decode rows through the C kernel (:mod:`kernels.native`) where it
-        covers the dtype and shapes; None uses it when it builds, True requires it, False keeps
-        every step in torch. ``kernel``: that loaded build instead of this machine's default
-        (the tests run another build through it). ``tiled_prefill``: the prefill chunks that
-        join the C kernel go to its tiled prefill kernel (where the head size allows) rather
-        than one decode row per token; None reads ``PAGEDSERVE_TILED_PREFILL`` (default on).
-        ``cascade``: with the C kernel, which shared prefixes get a cascade group (None: the
-        policy measured for its vector width, :func:`cascade_policy`)."""
+        covers the dtype and shapes; None uses it when it builds, True requires it (the float32
+        cache's build), False keeps every step in torch. ``kernel``: that loaded build instead
+        of this machine's default, for caches of its dtype (the tests run another build
+        through it; caches of other dtypes then stay in torch). ``tiled_prefill``: the
+        prefill chunks that join the C kernel go to its tiled prefill kernel (where the head
+        size allows) rather than one decode row per token; None reads
+        ``PAGEDSERVE_TILED_PREFILL`` (default on). ``cascade``: with the C kernel, which
+        shared prefixes get a cascade group (None: the policy measured for its vector width,
+        :func:`cascade_policy`)."""
         self._chunk_bytes = chunk_bytes
         self._shared_prefix = shared_prefix  # False: every decode gathers its whole context
-        self._native: NativeDecode | None = kernel
-        if kernel is None and (native is None or native):
-            self._native = native_kernel.load()
-            if native and self._native is None:
-                raise RuntimeError("the native CPU decode kernel could not be built or loaded")
-        if cascade is None and self._native is not None:
-            cascade = cascade_policy(self._native)
+        #: the C kernel per cache dtype (None: that dtype stays in torch); others load lazily
+        self._kernels: dict[torch.dtype, NativeDecode | None] = {}
+        self._load_kernels = kernel is None and native is not False
+        if kernel is not None:
+            self._kernels[kernel.kv_dtype] = kernel
+        elif self._load_kernels and self._kernel(torch.float32) is None and native:
+            raise RuntimeError("the native CPU decode kernel could not be built or loaded")
+        loaded = next((k for k in self._kernels.values() if k is not None), None)
+        if cascade is None and loaded is not None:
+            cascade = cascade_policy(loaded)  # both cache dtypes' builds have one width
         self._cascade = cascade
         if tiled_prefill is None:
             tiled_prefill = not native_kernel.switched_off(native_kernel.TILED_PREFILL_ENV)
@@ -250,10 +256,20 @@ class TorchBackend:
         self._plan, self._plan_meta, self._plan_block_size = plan, meta, block_size
         return plan
 
+    def _kernel(self, kv_dtype: torch.dtype) -> NativeDecode | None:
+        """The C kernel for caches of ``kv_dtype`` (loaded on first use), or None."""
+        if kv_dtype not in self._kernels:
+            self._kernels[kv_dtype] = native_kernel.load(kv_dtype) if self._load_kernels else None
+        return self._kernels[kv_dtype]
+
     @property
     def uses_native(self) -> bool:
-        """Whether float32 CPU decodes go through the C kernel."""
-        return self._native is not None
+        """Whether float32 CPU decodes over float32 caches go through the C kernel."""
+        return self.native_for(torch.float32)
+
+    def native_for(self, kv_dtype: torch.dtype) -> bool:
+        """Whether float32 CPU decodes over caches of ``kv_dtype`` go through the C kernel."""
+        return self._kernel(kv_dtype) is not None
 
     def _get_decode_chunks(
         self,
@@ -269,7 +285,7 @@ class TorchBackend:
         key = (window, token_bytes, cdt)
         decode = plan.decode.get(key)
         if decode is None:
-            kernel = self._native
+            kernel = self._kernel(k_cache.dtype)
             native = kernel is not None and kernel.supports(query, k_cache)
             tiled = (  # `kernel is not None` again only for the type checker
                 native
@@ -310,17 +326,18 @@ class TorchBackend:
             return out
         cdt = compute_dtype(query.dtype)
         work = self._get_decode_chunks(query, meta, k_cache, sliding_window, cdt)
-        if work.shared_native is not None and self._native is not None:
+        kernel = self._kernels.get(k_cache.dtype)  # loaded by the plan when it uses it
+        if work.shared_native is not None and kernel is not None:
             shared: tuple[torch.Tensor, torch.Tensor] | None = native_shared_prefixes(
-                query, k_cache, v_cache, work.shared_native, scale, self._native
+                query, k_cache, v_cache, work.shared_native, scale, kernel
             )
         else:
             shared = shared_prefixes(
                 query, k_cache, v_cache, work.shared, scale, cdt, self._workspace
             )
-        if work.native is not None:
+        if work.native is not None and kernel is not None:
             self._native_decode(
-                query, k_cache, v_cache, work.native, scale, sliding_window, out, shared
+                kernel, query, k_cache, v_cache, work.native, scale, sliding_window, out, shared
             )
         for chunk in work.chunks:
             o, lse = decode_chunk(query, k_cache, v_cache, chunk, scale, cdt, self._workspace)
@@ -341,8 +358,9 @@ class TorchBackend:
             out[pre.start : pre.start + pre.query_len] = o.to(query.dtype)
         return out
 
+    @staticmethod
     def _native_decode(
-        self,
+        kernel: NativeDecode,
         query: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
@@ -354,11 +372,8 @@ class TorchBackend:
     ) -> None:
         """Every decode row in one C call writing ``out`` (and the prefill chunks in one
         more); a row in a shared-prefix group continues its prefix's result in the kernel."""
-        assert self._native is not None
         if work.prefill is not None:
-            self._native.prefill(
-                query, k_cache, v_cache, work.block_tables, work.prefill, scale, out
-            )
+            kernel.prefill(query, k_cache, v_cache, work.block_tables, work.prefill, scale, out)
         if work.rows.num_rows == 0:
             return
         lse = torch.empty(work.rows.num_rows, query.shape[1], dtype=torch.float32)
@@ -366,6 +381,6 @@ class TorchBackend:
         if work.slots is not None and shared is not None:
             # torch's flash call returns transposed views; the C kernel reads by pointer
             start = PrefixStart(shared[0].contiguous(), shared[1].contiguous(), work.slots)
-        self._native.decode(
+        kernel.decode(
             query, k_cache, v_cache, work.block_tables, work.rows, scale, window, out, lse, start
         )

@@ -96,14 +96,17 @@ def prefill_chunk(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One prefill chunk: ``([q, H, D], [q, H] log-sum-exp or None)`` in ``cdt``.
 
-    Fresh K/V when nothing precedes the chunk, else the context gathered from the cache from
-    ``work.first_block`` on (after a shared prefix, or where the window starts).
+    Fresh K/V when nothing precedes the chunk (rounded to the cache's dtype first, so that
+    every path attends over what the cache holds), else the context gathered from the cache
+    from ``work.first_block`` on (after a shared prefix, or where the window starts).
     """
     s, q_len, seq_len = pre.start, pre.query_len, pre.seq_len
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     num_heads = query.shape[1]
     if seq_len == q_len:
         k, v = key[s : s + q_len], value[s : s + q_len]
+        if k_cache.dtype != k.dtype:  # e.g. a bfloat16 cache under float32 activations
+            k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
     else:
         nb = (seq_len + block_size - 1) // block_size
         blocks = meta.block_tables[pre.seq_index, work.first_block : nb].to(torch.long)

@@ -413,7 +413,7 @@ def test_uncovered_shapes_and_dtypes_stay_in_torch(
 
 
 def test_required_but_unavailable_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(native, "load", lambda: None)
+    monkeypatch.setattr(native, "load", lambda kv_dtype=torch.float32: None)
     with pytest.raises(RuntimeError, match="native CPU decode kernel"):
         TorchBackend(native=True)
     assert not TorchBackend().uses_native
@@ -431,8 +431,7 @@ def test_disabled_by_environment() -> None:
 def test_no_compiler_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("PATH", str(tmp_path))
-    monkeypatch.setattr(native, "_TRIED", False)
-    monkeypatch.setattr(native, "_LOADED", None)
+    monkeypatch.setattr(native, "_LOADED", {})
     assert native.load() is None
 
 

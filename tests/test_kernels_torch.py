@@ -27,7 +27,7 @@ def decode_path(request: pytest.FixtureRequest) -> Iterator[str]:
     if request.param != "torch" and original() is None:
         pytest.skip("the native decode kernel did not build here (no C compiler?)")
     if request.param == "torch":
-        native_kernel.load = lambda: None
+        native_kernel.load = lambda kv_dtype=torch.float32: None
     # the cascade's groups and merges are checked with the C kernel too, on small prefixes
     in_kernel = request.param == "native-cascade"
     torch_backend.cascade_policy = lambda kernel: torch_backend.CascadePolicy(in_kernel=in_kernel)

@@ -41,7 +41,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "ps_vec.h"
+#include "ps_kv.h"
 
 #define PS_MAX_HEAD_DIM 256
 #define PS_MAX_HEADS 64
@@ -53,8 +53,8 @@
 typedef struct {
     const float *query;          /* [T, num_heads, head_dim], rows query_row_stride apart */
     int64_t query_row_stride;
-    const float *k_cache;
-    const float *v_cache;
+    const ps_kv_t *k_cache;      /* float32 or bfloat16 (ps_kv.h) */
+    const ps_kv_t *v_cache;
     const int32_t *block_tables; /* [B, block_table_stride] */
     int64_t block_table_stride;
     const int64_t *token_rows;   /* [n]: row of query/out for each decode row */
@@ -95,10 +95,10 @@ typedef struct {
  * rounds, 8/4 and 9/3 heads of 64 at 64 x 512 and 48 x 400): 1.08-1.11x the kernel's K/V rate
  * when the machine read at ~50 GB/s, 1.03-1.10x at ~31 GB/s; asking for the whole next block
  * during the score loop alone measured 0.95-0.99x. */
-#define PS_PF_EVERY (128 / (4 * PS_WIDE_LANES)) /* wide vectors in two 64-byte lines */
+#define PS_PF_EVERY (2 * PS_KV_LINE / PS_WIDE_LANES) /* wide vectors in two 64-byte lines */
 typedef struct {
-    const float *k, *v; /* the next block's keys and values (NULL: none) */
-    int64_t o, d;       /* offset of the next line; floats into the current row's span */
+    const ps_kv_t *k, *v; /* the next block's keys and values (NULL: none) */
+    int64_t o, d;       /* offset of the next line; elements into the current row's span */
     int64_t len, skip;  /* the span of each token row asked for; the rest of the row */
     int64_t end;        /* one past the last line */
 } ps_pf;
@@ -107,9 +107,9 @@ static inline __attribute__((always_inline)) void ps_pf_step(ps_pf *p) {
     if (!p || p->o >= p->end) return; /* NULL: a pass that takes no steps (folded away) */
     __builtin_prefetch(p->k + p->o, 0, 2);
     __builtin_prefetch(p->v + p->o, 0, 2);
-    p->o += 16;
+    p->o += PS_KV_LINE;
     if (p->skip) { /* a task of some of the KV heads: only their span of each token row */
-        p->d += 16;
+        p->d += PS_KV_LINE;
         if (p->d >= p->len) {
             p->d = 0;
             p->o += p->skip;
@@ -136,15 +136,15 @@ static inline v8sf ps_hsum8(const v8sf p[8]) {
 
 
 /* Scores of 8 consecutive tokens (rows token_stride apart) for one query vector. */
-static inline v8sf ps_scores8(const float *q, const float *k, int64_t token_stride, int64_t D,
+static inline v8sf ps_scores8(const float *q, const ps_kv_t *k, int64_t token_stride, int64_t D,
                               ps_pf *pf) {
     v8sf p[8];
     for (int j = 0; j < 8; ++j) p[j] = ps_splat(0.0f);
     for (int64_t d = 0; d < D; d += PS_LANES) {
         const v8sf qv = ps_load(q + d);
         for (int j = 0; j < 8; ++j) {
-            if (j % 4 == 0) ps_pf_step(pf); /* 8-float loads: every fourth */
-            p[j] += qv * ps_load(k + j * token_stride + d);
+            if (j % (2 * PS_KV_LINE / 8) == 0) ps_pf_step(pf); /* a step per two lines */
+            p[j] += qv * ps_kv_load8(k + j * token_stride + d);
         }
     }
     return ps_hsum8(p);
@@ -161,7 +161,7 @@ static inline v8sf ps_scores8(const float *q, const float *k, int64_t token_stri
 #define PS_SCORE_HEADS 2 /* spills a little on AVX2's 16, as measured before: still faster */
 #endif
 static inline __attribute__((always_inline)) void ps_scores8xn(
-    const float (*q)[PS_MAX_HEAD_DIM], const int n, const float *k, int64_t token_stride,
+    const float (*q)[PS_MAX_HEAD_DIM], const int n, const ps_kv_t *k, int64_t token_stride,
     const int64_t D, float (*s)[PS_MAX_BLOCK], int64_t c, ps_pf *pf) {
     if (D % PS_WIDE_LANES != 0) { /* narrow head sizes (e.g. 40): one head at a time */
         *(v8sf *)&s[0][c] = ps_scores8(q[0], k, token_stride, D, pf);
@@ -177,7 +177,7 @@ static inline __attribute__((always_inline)) void ps_scores8xn(
         for (int i = 0; i < n; ++i) qv[i] = ps_wload(q[i] + d);
         for (int j = 0; j < 8; ++j) {
             if (j % PS_PF_EVERY == 0) ps_pf_step(pf);
-            const vwsf kv = ps_wload(k + j * token_stride + d);
+            const vwsf kv = ps_kv_wload(k + j * token_stride + d);
             for (int i = 0; i < n; ++i) p[i][j] += qv[i] * kv;
         }
     }
@@ -201,10 +201,10 @@ static inline __attribute__((always_inline)) void ps_scores8xn(
  * version's K/V rate alone, 1.2-2.1x with the key prefetches spread over the heads' score
  * passes. Two blocks ahead measured no better. Within a row the steps of ps_pf (above) now
  * do this a line at a time; this asks for the next row's first block. */
-static inline void ps_prefetch_rows(const float *base, int64_t n, int64_t token_stride,
+static inline void ps_prefetch_rows(const ps_kv_t *base, int64_t n, int64_t token_stride,
                                     int64_t off, int64_t len) {
     for (int64_t t = 0; t < n; ++t)
-        for (int64_t d = 0; d < len; d += 16)
+        for (int64_t d = 0; d < len; d += PS_KV_LINE)
             __builtin_prefetch(base + t * token_stride + off + d, 0, 2);
 }
 
@@ -215,7 +215,7 @@ static inline void ps_prefetch_rows(const float *base, int64_t n, int64_t token_
  * prefetch cursor's steps (ps_pf) as it loads. */
 static inline __attribute__((always_inline)) void ps_values_tile(
     float (*acc)[PS_MAX_HEAD_DIM], const float (*s)[PS_MAX_BLOCK], const int n, const int DV,
-    const float *vh, ps_pf *pf, int64_t token_stride, int64_t t0, int64_t t1) {
+    const ps_kv_t *vh, ps_pf *pf, int64_t token_stride, int64_t t0, int64_t t1) {
     vwsf a[4][8];
     for (int i = 0; i < n; ++i)
         for (int j = 0; j < DV; ++j) a[i][j] = ps_wload(&acc[i][j * PS_WIDE_LANES]);
@@ -224,7 +224,7 @@ static inline __attribute__((always_inline)) void ps_values_tile(
         for (int i = 0; i < n; ++i) w[i] = ps_wsplat(s[i][t]);
         for (int j = 0; j < DV; ++j) {
             if (j % PS_PF_EVERY == 0) ps_pf_step(pf);
-            const vwsf v = ps_wload(vh + t * token_stride + j * PS_WIDE_LANES);
+            const vwsf v = ps_kv_wload(vh + t * token_stride + j * PS_WIDE_LANES);
             for (int i = 0; i < n; ++i) a[i][j] += w[i] * v;
         }
     }
@@ -239,7 +239,7 @@ static inline __attribute__((always_inline)) void ps_values_tile(
  * next block too early (0.83-0.87x for 9/3 heads in a -march=haswell build), and choosing the
  * cursor at run time kept it out of registers (0.70x for 14/2 heads). */
 static inline __attribute__((always_inline)) void ps_scores_pass(
-    const float (*q)[PS_MAX_HEAD_DIM], const int64_t n, const float *k, int64_t token_stride,
+    const float (*q)[PS_MAX_HEAD_DIM], const int64_t n, const ps_kv_t *k, int64_t token_stride,
     const int64_t D, float (*s)[PS_MAX_BLOCK], int64_t c, ps_pf *pf) {
     if (PS_SCORE_HEADS >= 3 && n == 3) /* never on AVX2 (SH <= 2) */
         ps_scores8xn(q, 3, k, token_stride, D, s, c, pf);
@@ -249,7 +249,7 @@ static inline __attribute__((always_inline)) void ps_scores_pass(
 
 static inline __attribute__((always_inline)) void ps_values_pass(
     float (*acc)[PS_MAX_HEAD_DIM], const float (*s)[PS_MAX_BLOCK], const int64_t n, const int DV,
-    const float *vh, ps_pf *pf, int64_t token_stride, int64_t t0, int64_t t1) {
+    const ps_kv_t *vh, ps_pf *pf, int64_t token_stride, int64_t t0, int64_t t1) {
     if (n == 4) ps_values_tile(acc, s, 4, DV, vh, pf, token_stride, t0, t1);
     else if (n == 3) ps_values_tile(acc, s, 3, DV, vh, pf, token_stride, t0, t1);
     else if (n == 2) ps_values_tile(acc, s, 2, DV, vh, pf, token_stride, t0, t1);
@@ -310,8 +310,8 @@ static inline __attribute__((always_inline)) void ps_decode_row_impl(
         const int64_t t1 = last - base + 1 < BS ? last - base + 1 : BS;   /* one past last */
         const int64_t c0 = t0 / PS_LANES * PS_LANES, c1 = (t1 + PS_LANES - 1) / PS_LANES * PS_LANES;
         const int64_t block_off = (int64_t)table[b] * BS * token_stride;
-        const float *kb = a->k_cache + block_off;
-        const float *vb = a->v_cache + block_off;
+        const ps_kv_t *kb = a->k_cache + block_off;
+        const ps_kv_t *vb = a->v_cache + block_off;
         /* the next block's keys and values, requested while this block is computed */
         const int has_next = (b + 1) * BS <= last;
         const int64_t next_off = has_next ? (int64_t)table[b + 1] * BS * token_stride : 0;
@@ -323,11 +323,11 @@ static inline __attribute__((always_inline)) void ps_decode_row_impl(
         /* scores, walking the block's keys front to back: 8 tokens (8 rows) at a time, every
          * head of the task against them while they are in L1 */
         for (int64_t c = c0; c < c1; c += PS_LANES) {
-            const float *kc = kb + c * token_stride;
+            const ps_kv_t *kc = kb + c * token_stride;
             for (int64_t i = 0; i < nh; i += G_task)
                 for (int64_t g = 0; g < G_task; g += SH) {
                     const int64_t n = G_task - g < SH ? G_task - g : SH;
-                    const float *kh = kc + ((h0 + i) / G) * D;
+                    const ps_kv_t *kh = kc + ((h0 + i) / G) * D;
                     if (g == 0) ps_scores_pass(q + i, n, kh, token_stride, D, s + i, c, &pf);
                     else ps_scores_pass(q + i + g, n, kh, token_stride, D, s + i + g, c, 0);
                 }
@@ -385,7 +385,7 @@ static inline __attribute__((always_inline)) void ps_decode_row_impl(
         /* values, front to back: each value vector is loaded once for its group of heads */
         if (TILED) { /* the compiled shapes: accumulators in registers, a tile at a time */
             for (int64_t i = 0; i < nh; i += G_task) {
-                const float *vh = vb + ((h0 + i) / G) * D;
+                const ps_kv_t *vh = vb + ((h0 + i) / G) * D;
                 for (int64_t g = 0; g < G_task; g += TH) {
                     const int64_t n = G_task - g < TH ? G_task - g : TH;
                     float(*ac)[PS_MAX_HEAD_DIM] = acc + i + g;
@@ -396,12 +396,12 @@ static inline __attribute__((always_inline)) void ps_decode_row_impl(
             }
         } else {
             for (int64_t t = t0; t < t1; ++t) {
-                const float *vrow = vb + t * token_stride;
+                const ps_kv_t *vrow = vb + t * token_stride;
                 for (int64_t i = 0; i < nh; i += G_task) {
-                    const float *vh = vrow + ((h0 + i) / G) * D;
+                    const ps_kv_t *vh = vrow + ((h0 + i) / G) * D;
                     for (int64_t d = 0; d < D; d += PS_LANES) {
-                        if (d % 32 == 0) ps_pf_step(&pf); /* a step per two lines */
-                        const v8sf v = ps_load(vh + d);
+                        if (d % (2 * PS_KV_LINE) == 0) ps_pf_step(&pf); /* per two lines */
+                        const v8sf v = ps_kv_load8(vh + d);
                         for (int64_t g = 0; g < G_task; ++g)
                             *(v8sf *)&acc[i + g][d] += ps_splat(s[i + g][t]) * v;
                     }
@@ -441,7 +441,7 @@ int ps_decode_limits(int64_t *head_dim, int64_t *heads, int64_t *block_size, int
     return 0;
 }
 
-int ps_decode_attention_f32(const ps_decode_args *a) {
+int PS_KV_FN(ps_decode_attention)(const ps_decode_args *a) {
     if (a->head_dim > PS_MAX_HEAD_DIM || a->block_size > PS_MAX_BLOCK ||
         a->head_dim % PS_LANES != 0 || a->block_size % PS_LANES != 0 ||
         a->num_kv_heads <= 0 || a->num_heads % a->num_kv_heads != 0 ||
@@ -479,7 +479,7 @@ int ps_decode_attention_f32(const ps_decode_args *a) {
  * (a plain sum over the same blocks measured 28-30 GB/s against 38-40 contiguous on 2 Zen 5
  * cores with huge pages): this tells the kernel's own cost from the layout's. Returns the sum
  * (so that the reads cannot be optimised away). */
-double ps_read_blocks_f32(const ps_decode_args *a) {
+double PS_KV_FN(ps_read_blocks)(const ps_decode_args *a) {
     const int64_t D = a->head_dim, BS = a->block_size, token_stride = a->num_kv_heads * D;
     double total = 0.0;
     int64_t taken = 0;
@@ -501,18 +501,18 @@ double ps_read_blocks_f32(const ps_decode_args *a) {
                 const int has_next = (b + 1) * BS <= last;
                 const int64_t next = has_next ? (int64_t)table[b + 1] * BS * token_stride : off;
                 for (int pass = 0; pass < 2; ++pass) {
-                    const float *src = (pass ? a->v_cache : a->k_cache) + off;
-                    const float *pf = (pass ? a->v_cache : a->k_cache) + next;
+                    const ps_kv_t *src = (pass ? a->v_cache : a->k_cache) + off;
+                    const ps_kv_t *pf = (pass ? a->v_cache : a->k_cache) + next;
                     const int64_t n = t1 * token_stride;
                     int64_t i = t0 * token_stride;
                     for (; i + 2 * PS_WIDE_LANES <= n; i += 2 * PS_WIDE_LANES) {
                         if (has_next)
-                            for (int j = 0; j < 2 * PS_WIDE_LANES; j += 16)
+                            for (int j = 0; j < 2 * PS_WIDE_LANES; j += PS_KV_LINE)
                                 __builtin_prefetch(pf + i + j, 0, 2);
-                        acc += ps_wload(src + i);
-                        acc2 += ps_wload(src + i + PS_WIDE_LANES);
+                        acc += ps_kv_wload(src + i);
+                        acc2 += ps_kv_wload(src + i + PS_WIDE_LANES);
                     }
-                    for (; i < n; i += PS_WIDE_LANES) acc += ps_wload(src + i);
+                    for (; i < n; i += PS_WIDE_LANES) acc += ps_kv_wload(src + i);
                 }
             }
         }

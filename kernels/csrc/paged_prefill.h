@@ -42,8 +42,8 @@
 typedef struct {
     const float *query;          /* [T, num_heads, head_dim], rows query_row_stride apart */
     int64_t query_row_stride;
-    const float *k_cache;        /* [num_blocks, block_size, num_kv_heads, head_dim] */
-    const float *v_cache;
+    const ps_kv_t *k_cache;      /* [num_blocks, block_size, num_kv_heads, head_dim] */
+    const ps_kv_t *v_cache;
     const int32_t *block_tables; /* [B, block_table_stride] */
     int64_t block_table_stride;
     const int64_t *starts;       /* [n]: first row of the chunk in query / out */
@@ -85,9 +85,9 @@ typedef struct {
 #include <immintrin.h>
 /* dst[d * 16 + l] = src[l][d] for d < 16: a 16 x 16 transpose in registers (four rounds of
  * shuffles, 64 in all) instead of 256 scalar loads and stores */
-static inline void ps_pf_tr16(const float *const *src, int64_t d0, float *dst) {
+static inline void ps_pf_tr16(const ps_kv_t *const *src, int64_t d0, float *dst) {
     __m512 r[16], t[16];
-    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src[i] + d0);
+    for (int i = 0; i < 16; ++i) r[i] = (__m512)ps_kv_wload(src[i] + d0);
     for (int k = 0; k < 8; ++k) {
         t[2 * k] = _mm512_unpacklo_ps(r[2 * k], r[2 * k + 1]);
         t[2 * k + 1] = _mm512_unpackhi_ps(r[2 * k], r[2 * k + 1]);
@@ -117,9 +117,9 @@ static inline void ps_pf_tr16(const float *const *src, int64_t d0, float *dst) {
 #elif PS_WIDE_LANES == 8 && defined(__AVX__)
 #include <immintrin.h>
 /* the same for 8 keys x 8 dimensions (AVX2 builds): 24 shuffles for 64 values */
-static inline void ps_pf_tr8(const float *const *src, int64_t d0, float *dst) {
+static inline void ps_pf_tr8(const ps_kv_t *const *src, int64_t d0, float *dst) {
     __m256 r[8], t[8];
-    for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src[i] + d0);
+    for (int i = 0; i < 8; ++i) r[i] = (__m256)ps_kv_load8(src[i] + d0);
     for (int k = 0; k < 4; ++k) {
         t[2 * k] = _mm256_unpacklo_ps(r[2 * k], r[2 * k + 1]);
         t[2 * k + 1] = _mm256_unpackhi_ps(r[2 * k], r[2 * k + 1]);
@@ -142,9 +142,9 @@ static inline void ps_pf_tr8(const float *const *src, int64_t d0, float *dst) {
 
 /* rows[i] = KV head g's row of key p0 + i in cache (i < n): the blocks are walked, one
  * division per call instead of one per key */
-static inline void ps_pf_rows(const float *cache, const ps_prefill_args *a,
+static inline void ps_pf_rows(const ps_kv_t *cache, const ps_prefill_args *a,
                               const int32_t *table, int64_t g, const int64_t D, int64_t p0,
-                              int64_t n, const float **rows) {
+                              int64_t n, const ps_kv_t **rows) {
     const int64_t BS = a->block_size, token_stride = a->num_kv_heads * D;
     int64_t blk = p0 / BS, off = p0 % BS;
     for (int64_t i = 0; i < n; ++i) {
@@ -165,7 +165,7 @@ static inline void ps_pf_transpose_keys(const ps_prefill_args *a, const int32_t 
     const int64_t tiles = (kmax - k_lo + PS_KT - 1) / PS_KT;
     for (int64_t j = 0; j < tiles; ++j) {
         float *dst = kt + j * D * PS_KT;
-        const float *src[PS_KT];
+        const ps_kv_t *src[PS_KT];
         const int64_t p0 = k_lo + j * PS_KT;
         const int n = kmax - p0 < PS_KT ? (int)(kmax - p0) : PS_KT;
         ps_pf_rows(a->k_cache, a, table, g, D, p0, n, src);
@@ -185,7 +185,7 @@ static inline void ps_pf_transpose_keys(const ps_prefill_args *a, const int32_t 
                 for (int64_t d = 0; d < D; ++d) dst[d * PS_KT + l] = 0.0f;
                 continue;
             }
-            for (int64_t d = 0; d < D; ++d) dst[d * PS_KT + l] = src[l][d];
+            for (int64_t d = 0; d < D; ++d) dst[d * PS_KT + l] = ps_kv_float(src[l][d]);
         }
     }
 }
@@ -195,14 +195,14 @@ static inline void ps_pf_transpose_keys(const ps_prefill_args *a, const int32_t 
  * nv x nj accumulators stay in registers. */
 static inline __attribute__((always_inline)) void ps_pf_values(
     float (*o)[PS_MAX_HEAD_DIM], const float (*p)[PS_PF_KB], const int nv, const int64_t j0,
-    const int nj, const float *const *vrows, int64_t nkeys) {
+    const int nj, const ps_kv_t *const *vrows, int64_t nkeys) {
     vwsf acc[PS_PF_NG][PS_MAX_HEAD_DIM / PS_WIDE_LANES];
     for (int i = 0; i < nv; ++i)
         for (int j = 0; j < nj; ++j) acc[i][j] = ps_wload(&o[i][(j0 + j) * PS_WIDE_LANES]);
     for (int64_t l = 0; l < nkeys; ++l) {
-        const float *v = vrows[l] + j0 * PS_WIDE_LANES;
+        const ps_kv_t *v = vrows[l] + j0 * PS_WIDE_LANES;
         for (int j = 0; j < nj; ++j) {
-            const vwsf vv = ps_wload(v + j * PS_WIDE_LANES);
+            const vwsf vv = ps_kv_wload(v + j * PS_WIDE_LANES);
             for (int i = 0; i < nv; ++i) acc[i][j] += ps_wsplat(p[i][l]) * vv;
         }
     }
@@ -215,7 +215,7 @@ static inline __attribute__((always_inline)) void ps_pf_values(
  * at run time, as every width did before the AVX2 half-head passes. */
 static inline __attribute__((always_inline)) void ps_pf_values_pass(
     float (*o)[PS_MAX_HEAD_DIM], const float (*p)[PS_PF_KB], const int nv, const int64_t j0,
-    const int nj, const float *const *vrows, int64_t nkeys) {
+    const int nj, const ps_kv_t *const *vrows, int64_t nkeys) {
     switch (nv) {
 #define PS_PF_V(k)                                                                         \
     case k:                                                                                \
@@ -260,7 +260,7 @@ static inline void ps_pf_ahead_step(const ps_prefill_args *a, ps_pf_ahead *pa, c
     const int64_t stop = pa->next + pa->per_step < pa->end ? pa->next + pa->per_step : pa->end;
     for (int64_t p = pa->next; p < stop; ++p) {
         const int64_t off = ((int64_t)pa->table[p / BS] * BS + p % BS) * token_stride + pa->g * D;
-        for (int64_t d = 0; d < D; d += 16) {
+        for (int64_t d = 0; d < D; d += PS_KV_LINE) {
             __builtin_prefetch(a->k_cache + off + d, 0, 2);
             __builtin_prefetch(a->v_cache + off + d, 0, 2);
         }
@@ -310,7 +310,7 @@ static inline __attribute__((always_inline)) void ps_pf_tile_keys(
     float p[PS_PF_MR][PS_PF_KB] __attribute__((aligned(64)));
     const int64_t first = pos[0];
     const vwsf ninf = ps_wsplat(-INFINITY);
-    const float *vrows[PS_PF_KB];
+    const ps_kv_t *vrows[PS_PF_KB];
     for (int64_t k0 = k_lo; k0 < k_hi; k0 += PS_PF_KB) {
         ps_pf_ahead_step(a, ahead, D);
         const int64_t nkeys = k_hi - k0 < PS_PF_KB ? k_hi - k0 : PS_PF_KB;
@@ -554,7 +554,7 @@ static int ps_pf_prefix_attention(const ps_prefill_args *a) {
     return done == tasks ? 0 : -2; /* -2: no thread could allocate its buffers */
 }
 
-int ps_prefill_attention_f32(const ps_prefill_args *a) {
+int PS_KV_FN(ps_prefill_attention)(const ps_prefill_args *a) {
     if (a->head_dim > PS_MAX_HEAD_DIM || a->head_dim % PS_WIDE_LANES != 0 ||
         a->num_kv_heads <= 0 || a->num_heads % a->num_kv_heads != 0 || a->block_size <= 0)
         return -1;
