@@ -1,5 +1,5 @@
 """Fused elementwise layer ops in C (``kernels/csrc/fused_ops.c``): SwiGLU, residual+RMSNorm,
-rope+KV write, for float32 tensors on the CPU.
+rope+KV write, for float32 tensors on the CPU (the KV write also into bfloat16 caches).
 
 Built and cached like the decode kernel (:func:`kernels.native.build`, same compiler, cache
 and ``PAGEDSERVE_NATIVE_KERNELS=0`` switch; ``PAGEDSERVE_FUSED_OPS=0`` turns off only these)
@@ -38,10 +38,14 @@ class FusedOps:
         lib = ctypes.CDLL(str(path))
         lib.ps_silu_mul_f32.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _I32]
         lib.ps_add_rms_norm_f32.argtypes = [_P, _P, _I64, _P, _P, _I64, _I64, _F32, _I32]
-        lib.ps_rope_kv_f32.argtypes = [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I32]
-        for fn in (lib.ps_silu_mul_f32, lib.ps_add_rms_norm_f32, lib.ps_rope_kv_f32):
+        rope_kv = [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I32]
+        lib.ps_rope_kv_f32.argtypes = lib.ps_rope_kv_bf16.argtypes = rope_kv
+        for fn in (lib.ps_silu_mul_f32, lib.ps_add_rms_norm_f32, lib.ps_rope_kv_f32,
+                   lib.ps_rope_kv_bf16):  # fmt: skip
             fn.restype = None
         self._lib = lib
+        #: the caches' dtypes :meth:`rope_kv` writes into
+        self._rope_kv = {torch.float32: lib.ps_rope_kv_f32, torch.bfloat16: lib.ps_rope_kv_bf16}
 
     @staticmethod
     def supports(*tensors: torch.Tensor) -> bool:
@@ -93,7 +97,8 @@ class FusedOps:
         slots: torch.Tensor,
     ) -> None:
         """Rotate q and k inside ``qkv`` [T, (H + 2 Hkv) D] in place, then store k and v at
-        their ``slots`` of the ``[blocks, block_size, Hkv, D]`` caches."""
+        their ``slots`` of the ``[blocks, block_size, Hkv, D]`` caches (float32, or bfloat16:
+        rounded to nearest even, the bits of torch's ``.to(torch.bfloat16)``)."""
         tokens = qkv.shape[0]
         width = (num_heads + 2 * num_kv_heads) * head_dim
         if qkv.dim() != 2 or qkv.stride(1) != 1 or qkv.shape[1] != width:
@@ -103,11 +108,14 @@ class FusedOps:
         for cache in (k_cache, v_cache):
             if not cache.is_contiguous() or cache.shape[2:] != (num_kv_heads, head_dim):
                 raise ValueError("caches must be contiguous [blocks, block_size, Hkv, D]")
+        write = self._rope_kv.get(k_cache.dtype)
+        if write is None or v_cache.dtype != k_cache.dtype:
+            raise ValueError("caches must both be float32 or both bfloat16")
         if positions.dtype != torch.int64 or slots.dtype != torch.int64:
             raise ValueError("positions and slots must be int64")
         if positions.shape[0] != tokens or slots.shape[0] != tokens:
             raise ValueError("one position and one slot per token")
-        self._lib.ps_rope_kv_f32(
+        write(
             qkv.data_ptr(), tokens, qkv.stride(0), num_heads, num_kv_heads, head_dim,
             table.data_ptr(), positions.contiguous().data_ptr(), k_cache.data_ptr(),
             v_cache.data_ptr(), slots.contiguous().data_ptr(), torch.get_num_threads(),

@@ -77,16 +77,25 @@ def test_add_rms_norm_matches_torch(rows: int, dim: int, with_delta: bool) -> No
     torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 9, 300])
-def test_rope_kv_is_bit_identical_and_writes_the_slots(tokens: int) -> None:
+def test_rope_kv_is_bit_identical_and_writes_the_slots(
+    tokens: int, cache_dtype: torch.dtype
+) -> None:
+    """Into float32 caches the rotated k and v themselves; into bfloat16 caches
+    (``--kv-cache-dtype bfloat16``) the bits of torch's ``.to(torch.bfloat16)`` of them,
+    ties (round half to even), infinities and subnormals included."""
     heads, kv_heads, d, block = 9, 3, 64, 16
     g = torch.Generator().manual_seed(tokens)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=g)
+    edges = [1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 3.0e38, float("inf"), -float("inf"),
+             1e-40, -1e-40, 0.0, -0.0, 65504.0, 2**-133]  # fmt: skip
+    qkv[0, -len(edges) :] = torch.tensor(edges)  # in v: stored as they are
     positions = torch.randint(0, 1000, (tokens,), generator=g)
     angles = torch.randn(1024, 1, d // 2, generator=g)
     table = torch.cat((angles.cos(), angles.sin()), dim=1).contiguous()  # [P, 2, D/2]
     blocks = -(-tokens // block) + 2
-    k_cache = torch.zeros(blocks, block, kv_heads, d)
+    k_cache = torch.zeros(blocks, block, kv_heads, d, dtype=cache_dtype)
     v_cache = torch.zeros_like(k_cache)
     slots = torch.randperm(blocks * block, generator=g)[:tokens]
     # the torch path of PagedAttention
@@ -98,8 +107,9 @@ def test_rope_kv_is_bit_identical_and_writes_the_slots(tokens: int) -> None:
     got = qkv[:, : (heads + kv_heads) * d].view(tokens, -1, d)
     assert torch.equal(got, qk)
     flat_k, flat_v = k_cache.view(-1, kv_heads, d), v_cache.view(-1, kv_heads, d)
-    assert torch.equal(flat_k[slots], qk[:, heads:])
-    assert torch.equal(flat_v[slots], want_v)
+    bits = torch.int32 if cache_dtype == torch.float32 else torch.int16
+    assert torch.equal(flat_k[slots].view(bits), qk[:, heads:].to(cache_dtype).view(bits))
+    assert torch.equal(flat_v[slots].view(bits), want_v.to(cache_dtype).view(bits))
     untouched = torch.ones(blocks * block, dtype=torch.bool)
     untouched[slots] = False
     assert not flat_k[untouched].any() and not flat_v[untouched].any()

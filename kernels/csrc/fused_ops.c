@@ -12,6 +12,8 @@
  *   ps_add_rms_norm_f32  residual += delta (optional), out = weight * (residual * rsqrt(ms+eps))
  *   ps_rope_kv_f32       rotate q and k in place inside the qkv rows, then copy k and v to their
  *                        cache slots (what write_kv did with two index_copy_ calls)
+ *   ps_rope_kv_bf16      the same into bfloat16 caches (--kv-cache-dtype bfloat16), rounded
+ *                        to nearest even as torch rounds
  *
  * Threads: OpenMP only when a call has enough work (PS_PAR_MIN elements); decode-sized calls
  * run on the calling thread, so no fork-join per layer per step (a previous attempt's per-layer
@@ -115,40 +117,88 @@ void ps_add_rms_norm_f32(float *residual, const float *delta, int64_t delta_stri
 }
 
 /* Token t's row of qkv (row_stride floats; [H q heads | Hkv k heads | Hkv v heads] x D): its
- * q and k heads rotated in place by position positions[t] (table: [P, 2, D / 2] cos then sin,
- * Hugging Face half-split pairs), then k and v copied to cache slot slots[t] (caches
- * [slots, Hkv, D] contiguous) when slots is not NULL. */
+ * q and k heads rotated in place by position pos (table: [P, 2, D / 2] cos then sin, Hugging
+ * Face half-split pairs). */
+static inline void ps_rope_row(float *row, int64_t rotated, int64_t head_dim, const float *table,
+                               int64_t pos) {
+    const int64_t half = head_dim / 2;
+    const float *c = table + pos * head_dim, *s = c + half;
+    for (int64_t h = 0; h < rotated; ++h) {
+        float *x1 = row + h * head_dim, *x2 = x1 + half;
+        int64_t i = 0;
+        for (; i + 8 <= half; i += 8) {
+            const v8sf a = ps_ld(x1 + i), b = ps_ld(x2 + i);
+            const v8sf cv = ps_ld(c + i), sv = ps_ld(s + i);
+            ps_st(x1 + i, a * cv - b * sv);
+            ps_st(x2 + i, b * cv + a * sv);
+        }
+        for (; i < half; ++i) {
+            const float a = x1[i], b = x2[i];
+            x1[i] = a * c[i] - b * s[i];
+            x2[i] = b * c[i] + a * s[i];
+        }
+    }
+}
+
+/* Each token's row rotated (ps_rope_row), then its k and v copied to cache slot slots[t]
+ * (caches [slots, Hkv, D] contiguous) when slots is not NULL. */
 void ps_rope_kv_f32(float *qkv, int64_t tokens, int64_t row_stride, int64_t num_heads,
                     int64_t num_kv_heads, int64_t head_dim, const float *table,
                     const int64_t *positions, float *k_cache, float *v_cache,
                     const int64_t *slots, int32_t threads) {
-    const int64_t half = head_dim / 2, rotated = num_heads + num_kv_heads;
-    const int64_t kv_floats = num_kv_heads * head_dim;
+    const int64_t rotated = num_heads + num_kv_heads, kv_floats = num_kv_heads * head_dim;
 #pragma omp parallel for schedule(static) num_threads(threads) \
     if (tokens * rotated * head_dim >= PS_PAR_MIN)
     for (int64_t t = 0; t < tokens; ++t) {
         float *row = qkv + t * row_stride;
-        const float *c = table + positions[t] * head_dim, *s = c + half;
-        for (int64_t h = 0; h < rotated; ++h) {
-            float *x1 = row + h * head_dim, *x2 = x1 + half;
-            int64_t i = 0;
-            for (; i + 8 <= half; i += 8) {
-                const v8sf a = ps_ld(x1 + i), b = ps_ld(x2 + i);
-                const v8sf cv = ps_ld(c + i), sv = ps_ld(s + i);
-                ps_st(x1 + i, a * cv - b * sv);
-                ps_st(x2 + i, b * cv + a * sv);
-            }
-            for (; i < half; ++i) {
-                const float a = x1[i], b = x2[i];
-                x1[i] = a * c[i] - b * s[i];
-                x2[i] = b * c[i] + a * s[i];
-            }
-        }
+        ps_rope_row(row, rotated, head_dim, table, positions[t]);
         if (slots) {
             memcpy(k_cache + slots[t] * kv_floats, row + num_heads * head_dim,
                    (size_t)kv_floats * sizeof(float));
             memcpy(v_cache + slots[t] * kv_floats, row + rotated * head_dim,
                    (size_t)kv_floats * sizeof(float));
+        }
+    }
+}
+
+/* n floats to bfloat16, rounded to nearest even as torch's .to(torch.bfloat16) does (NaN to a
+ * quiet NaN, 0x7fc0, as torch's scalar conversion): the same bits. */
+typedef uint32_t ps_v8su __attribute__((vector_size(32)));
+typedef uint16_t ps_v8hu __attribute__((vector_size(16)));
+typedef uint16_t ps_v8hu_u __attribute__((vector_size(16), aligned(2)));
+static inline uint16_t ps_bf16(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    if (x != x) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+static inline void ps_to_bf16(uint16_t *dst, const float *src, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const v8sf x = ps_ld(src + i);
+        const ps_v8su u = (ps_v8su)x;
+        ps_v8su r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+        const ps_v8su nan = (ps_v8su)(x != x); /* all ones where NaN */
+        r = (r & ~nan) | (0x7fc0u & nan);
+        *(ps_v8hu_u *)(dst + i) = __builtin_convertvector(r, ps_v8hu);
+    }
+    for (; i < n; ++i) dst[i] = ps_bf16(src[i]);
+}
+
+/* ps_rope_kv_f32 for bfloat16 caches (--kv-cache-dtype bfloat16): k and v rounded on store. */
+void ps_rope_kv_bf16(float *qkv, int64_t tokens, int64_t row_stride, int64_t num_heads,
+                     int64_t num_kv_heads, int64_t head_dim, const float *table,
+                     const int64_t *positions, uint16_t *k_cache, uint16_t *v_cache,
+                     const int64_t *slots, int32_t threads) {
+    const int64_t rotated = num_heads + num_kv_heads, kv_elems = num_kv_heads * head_dim;
+#pragma omp parallel for schedule(static) num_threads(threads) \
+    if (tokens * rotated * head_dim >= PS_PAR_MIN)
+    for (int64_t t = 0; t < tokens; ++t) {
+        float *row = qkv + t * row_stride;
+        ps_rope_row(row, rotated, head_dim, table, positions[t]);
+        if (slots) {
+            ps_to_bf16(k_cache + slots[t] * kv_elems, row + num_heads * head_dim, kv_elems);
+            ps_to_bf16(v_cache + slots[t] * kv_elems, row + rotated * head_dim, kv_elems);
         }
     }
 }

@@ -277,6 +277,10 @@ class GatedMLP(nn.Module):
         return linear(F.silu(gate).mul_(up), self.down_weight, self.down_bias)
 
 
+#: Cache dtypes the fused rope + KV write stores into (kernels/fused.py: float32 queries).
+_FUSED_CACHES = (torch.float32, torch.bfloat16)
+
+
 class PagedAttention(nn.Module):
     """Grouped-query self-attention whose keys and values live in a paged cache."""
 
@@ -308,7 +312,7 @@ class PagedAttention(nn.Module):
         qk_size = self.q_size + self.kv_size
         k_cache, v_cache = kv_cache
         meta, backend, fused = inputs.meta, inputs.backend, inputs.fused
-        if fused is not None and k_cache.dtype == torch.float32 and k_cache.is_contiguous():
+        if fused is not None and k_cache.dtype in _FUSED_CACHES and k_cache.is_contiguous():
             # rope in place and the KV write in one C pass; q, k, v are views of qkv
             fused.rope_kv(
                 qkv, self.num_heads, self.num_kv_heads, self.head_dim, inputs.rope_table,
