@@ -12,7 +12,12 @@ import torch
 
 from scheduler.output import ScheduledSequence, SchedulerOutput
 from worker.cpu_memory import thp_mode
-from worker.model_runner import ModelRunner, resolve_dtype, resolve_weight_dtype
+from worker.model_runner import (
+    ModelRunner,
+    resolve_dtype,
+    resolve_kv_cache_dtype,
+    resolve_weight_dtype,
+)
 from worker.outputs import EngineConfig
 
 
@@ -375,3 +380,55 @@ def test_the_default_dtype_is_float32_on_a_cpu_and_bfloat16_on_a_gpu() -> None:
         resolve_dtype("float16", torch.device("cpu"))
     with pytest.raises(ValueError, match="unsupported dtype"):
         resolve_dtype("int8", torch.device("cpu"))
+
+
+def test_a_bfloat16_kv_cache_holds_twice_the_tokens_and_stays_close(make_tiny_model) -> None:
+    """``--kv-cache-dtype bfloat16`` under a float32 model: half the bytes per token, so twice
+    the blocks in the same budget; the weights and activations stay float32, the fused rope +
+    KV write stores rounded keys and values, and logits stay within the cache's rounding of
+    the float32 cache's (and differ from them: the mode is on). With ``--weight-dtype
+    bfloat16`` too, the whole bfloat16 mode."""
+    model_dir = make_tiny_model("llama")
+    budget = 1 << 20
+    base = ModelRunner(model_dir, EngineConfig(block_size=4, kv_cache_memory=budget))
+    half = ModelRunner(
+        model_dir, EngineConfig(block_size=4, kv_cache_memory=budget, kv_cache_dtype="bfloat16")
+    )
+    assert half.kv_dtype == torch.bfloat16 and half.dtype == torch.float32
+    assert half.bytes_per_token() * 2 == base.bytes_per_token()
+    assert half.layout.num_blocks == 2 * base.layout.num_blocks
+    assert all(k.dtype == v.dtype == torch.bfloat16 for k, v in half.kv_caches)
+    assert half.model.embed_weight.dtype == torch.float32
+    want, got = base.execute(_mixed_batch()), half.execute(_mixed_batch())
+    assert got.dtype == torch.float32
+    scale = want.abs().max().item()
+    torch.testing.assert_close(got, want, rtol=0, atol=0.02 * scale)
+    assert not torch.equal(got, want)
+    k_half, k_base = half.kv_caches[0][0], base.kv_caches[0][0]
+    written = k_base.flatten(0, 1)[:11].to(torch.bfloat16)  # slots 0-10 of the batch
+    assert torch.equal(k_half.flatten(0, 1)[:11], written)  # rounded as torch rounds
+    both = ModelRunner(model_dir, EngineConfig(block_size=4, num_kv_blocks=8,
+                                               kv_cache_dtype="bfloat16",
+                                               weight_dtype="bfloat16"))  # fmt: skip
+    torch.testing.assert_close(both.execute(_mixed_batch()), want, rtol=0, atol=0.05 * scale)
+
+
+def test_kv_cache_dtype_choices_and_errors() -> None:
+    """``auto`` (the default) is the model's dtype; a float32 model may keep its cache in
+    bfloat16 on a CPU; clear errors for float16 on a CPU, a cache wider than the model, a GPU
+    cache other than the model's dtype, and unknown names."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert EngineConfig().kv_cache_dtype == "auto"
+    assert resolve_kv_cache_dtype("auto", torch.float32, cpu) is torch.float32
+    assert resolve_kv_cache_dtype("auto", torch.bfloat16, cuda) is torch.bfloat16
+    assert resolve_kv_cache_dtype("bfloat16", torch.float32, cpu) is torch.bfloat16
+    assert resolve_kv_cache_dtype("bf16", torch.bfloat16, cpu) is torch.bfloat16
+    assert resolve_kv_cache_dtype("float32", torch.float32, cpu) is torch.float32
+    with pytest.raises(ValueError, match="not supported on CPU"):
+        resolve_kv_cache_dtype("float16", torch.float32, cpu)
+    with pytest.raises(ValueError, match="wider than the model"):
+        resolve_kv_cache_dtype("float32", torch.bfloat16, cpu)
+    with pytest.raises(ValueError, match="on a GPU"):
+        resolve_kv_cache_dtype("float32", torch.bfloat16, cuda)
+    with pytest.raises(ValueError, match="unsupported KV-cache dtype"):
+        resolve_kv_cache_dtype("fp8", torch.float32, cpu)

@@ -81,6 +81,27 @@ def resolve_weight_dtype(name: str, dtype: torch.dtype, device: torch.device) ->
     return True
 
 
+def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV cache's dtype (``--kv-cache-dtype``): ``auto`` is the model's; ``bfloat16`` under
+    a float32 model halves the cache (twice the tokens in the same memory, half the bytes each
+    decode step reads) at the price of keys and values rounded to 8 significant bits."""
+    if name == "auto":
+        return dtype
+    kv = _DTYPES.get(name)
+    if kv not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"unsupported KV-cache dtype {name!r}; use auto, float32 or bfloat16")
+    if device.type == "cpu" and kv is torch.float16:
+        raise ValueError("a float16 KV cache is not supported on CPU; use bfloat16")
+    if device.type == "cuda" and kv != dtype:
+        raise ValueError(
+            "on a GPU the KV cache has the model's dtype (--kv-cache-dtype auto); "
+            "use --dtype to change both"
+        )
+    if kv.itemsize > dtype.itemsize:
+        raise ValueError(f"a {name} KV cache is wider than the model's {dtype}; use auto")
+    return kv
+
+
 class ModelRunner:
     def __init__(
         self, model_dir: str | Path, config: EngineConfig, max_model_len: int | None = None
@@ -92,6 +113,7 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         bf16_weights = resolve_weight_dtype(config.weight_dtype, self.dtype, self.device)
         self.model: CausalLM = load_model(model_dir, self.dtype, self.device)
         if bf16_weights:
@@ -108,8 +130,8 @@ class ModelRunner:
         shape = (self.layout.num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
         self.kv_caches = [
             (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
             )
             for _ in range(mc.num_layers)
         ]
@@ -119,7 +141,9 @@ class ModelRunner:
         self._free_rows = list(range(rows - 1, -1, -1))
         self._row_of: dict[int, int] = {}
         log.info(
-            "KV cache: %d bytes per token, %d blocks of %d tokens, capacity %d tokens (%.1f MiB)",
+            "KV cache (%s): %d bytes per token, %d blocks of %d tokens, capacity %d tokens "
+            "(%.1f MiB)",
+            str(self.kv_dtype).removeprefix("torch."),
             self.layout.bytes_per_token,
             self.layout.num_blocks,
             self.block_size,
@@ -127,13 +151,14 @@ class ModelRunner:
             self.layout.num_blocks * self.block_size * self.layout.bytes_per_token / 2**20,
         )
         backend = get_backend(self.device)  # built now (a CPU kernel compiles once), not mid-step
-        native = getattr(backend, "uses_native", False)
+        native_for = getattr(backend, "native_for", None)
+        native = native_for is not None and native_for(self.kv_dtype)
         log.info("attention: %s backend%s", backend.name, ", C decode kernel" if native else "")
 
     # ------------------------------------------------------------------ sizing
     def bytes_per_token(self) -> int:
         mc = self.model.config
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = self.kv_dtype.itemsize
         return 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * elem
 
     def _plan_cache(self) -> CacheLayout:
@@ -165,7 +190,7 @@ class ModelRunner:
         mc = self.model.config
         shape = (1, self.block_size, mc.num_kv_heads, mc.head_dim)
         scratch = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),) * 2
+            (torch.zeros(shape, dtype=self.kv_dtype, device=self.device),) * 2
             for _ in range(mc.num_layers)
         ]
         # Profile with a batch of single-token sequences writing into one scratch block.

@@ -44,6 +44,14 @@ class EngineConfig:
             "bfloat16, fast with AMX or AVX512-BF16; not token-for-token float32's outputs)"
         ),
     )
+    # A memory / speed mode with other numerics (never a default): worker.model_runner
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata=opt(
+            "auto (the model's dtype) | float32 | bfloat16 (a float32 model's KV cache in "
+            "bfloat16: twice the tokens per byte; not token-for-token float32's outputs)"
+        ),
+    )
     enable_prefix_caching: bool = field(
         default=True, metadata=opt("turn off prefix caching", flag="--no-prefix-caching")
     )
