@@ -22,8 +22,10 @@ float32 activations: a speed mode with other numerics, never counted as float32)
 figures also carry ``ours-bf16w/vllm-bf16``; ``base-bf16w`` is ``base`` in that mode (an A/B of
 the mode's products, ratio ``ours-bf16w/base-bf16w``); ``ours-bf16w-native`` / ``-onednn``
 force its products onto our C GEMM or oneDNN (``PAGEDSERVE_BF16_GEMM``; ratio
-``ours-bf16w-native/ours-bf16w-onednn``: the A/B an AMX CPU still needs). None runs unless
-``--systems`` names it.
+``ours-bf16w-native/ours-bf16w-onednn``: the A/B an AMX CPU still needs). ``ours-bf16`` adds
+a bfloat16 KV cache to ``ours-bf16w`` (``kv_cache_dtype="bfloat16"``: the whole bfloat16 mode,
+like ``vllm-bf16``; ratios ``ours-bf16/vllm-bf16`` and ``ours-bf16/ours-bf16w``, the cache's
+A/B) and ``ours-bf16kv`` adds it to float32 ``ours``. None runs unless ``--systems`` names it.
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ ALL_SYSTEMS = (
     "vllm-bf16",
     "ours-bf16w-native",
     "ours-bf16w-onednn",
+    "ours-bf16",
+    "ours-bf16kv",
 )
 #: Systems that are another one with other options (bfloat16: not in a default run).
 VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
@@ -71,6 +75,8 @@ VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
     "ours-bf16w-native": ("ours", {"weight_dtype": "bfloat16", "bf16_gemm": "native"}),
     "ours-bf16w-onednn": ("ours", {"weight_dtype": "bfloat16", "bf16_gemm": "onednn"}),
     "vllm-bf16": ("vllm", {"vllm_dtype": "bfloat16"}),
+    "ours-bf16": ("ours", {"weight_dtype": "bfloat16", "kv_cache_dtype": "bfloat16"}),
+    "ours-bf16kv": ("ours", {"kv_cache_dtype": "bfloat16"}),
 }
 WORKLOADS = ("mixed", "uniform", "shared-prefix")
 
@@ -385,6 +391,8 @@ def throughput_workload(wl: Workload, systems: list[str], ctx: dict[str, Any]) -
     ]
     if "ours-bf16w-native" in res and "ours-bf16w-onednn" in res:  # the mode's two kernels
         pairs.append(("ours-bf16w-native", "ours-bf16w-onednn"))
+    if "ours-bf16" in res:  # the whole bfloat16 mode: against vLLM's, and its cache's A/B
+        pairs += [("ours-bf16", s) for s in ("vllm-bf16", "ours-bf16w") if s in res]
     body: dict[str, Any] = {
         "systems": res,
         "ratios": {f"{a}/{b}": ratio(res[a], res[b]) for a, b in pairs},

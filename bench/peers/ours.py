@@ -77,6 +77,7 @@ def build_llm(job: Job) -> Any:
         job.model,
         dtype=opts.get("dtype", "float32"),
         weight_dtype=opts.get("weight_dtype", "auto"),
+        kv_cache_dtype=opts.get("kv_cache_dtype", "auto"),
         device=opts.get("device", "cpu"),
         max_model_len=opts.get("max_model_len", 2048),
         kv_cache_memory=int(opts.get("kv_cache_gib", 2) * GIB),
@@ -120,6 +121,7 @@ def run(job: Job) -> dict[str, Any]:
     result["num_kv_blocks"] = llm.engine.runner.layout.num_blocks
     result["bf16_weights"] = _bf16_weights(llm)
     result["bf16_gemm"] = _bf16_gemm(llm)
+    result["kv_cache_dtype"] = str(llm.engine.runner.kv_dtype).removeprefix("torch.")
     result["length_mismatches"] = len(wrong)
     result["ok"] = not wrong
     return result
