@@ -117,10 +117,11 @@ def test_every_option_field_has_a_working_flag() -> None:
         "--model=m", "--block-size=32", "--num-kv-blocks=7", "--kv-cache-memory=1.5MB",
         "--max-num-seqs=3", "--max-model-len=99", "--no-prefix-caching", "--seed=4",
         "--worker-id=w1", "--redis=redis://h:1/2", "--prefix=x", "--lease-ms=900",
-        "--progress-interval-ms=10",
+        "--progress-interval-ms=10", "--kv-cache-dtype=bfloat16",
     ]  # fmt: skip
     args = parse_args(argv)
     e, s = engine_config(args), service_config(args)
+    assert e.kv_cache_dtype == "bfloat16"
     assert (e.block_size, e.num_kv_blocks, e.kv_cache_memory) == (32, 7, int(1.5 * (1 << 20)))
     assert (e.max_num_seqs, e.max_model_len, e.enable_prefix_caching, e.seed) == (3, 99, False, 4)
     assert (s.worker_id, s.redis_url, s.prefix, s.lease_ms) == ("w1", "redis://h:1/2", "x", 900)
@@ -129,6 +130,17 @@ def test_every_option_field_has_a_working_flag() -> None:
     assert (up.api, up.restart.max_restarts, up.port) == (False, 9, 1)
     flagged = {o.dest for cls in (EngineConfig, ServiceConfig) for o in settings.options(cls)}
     assert {"block_size", "enable_prefix_caching", "lease_ms", "redis_url"} <= flagged
+
+
+def test_help_prints_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--help`` of each process (argparse formats help text with %: a literal "14%" in one
+    flag's help once made the worker's --help crash)."""
+    for parse in (lambda: parse_args(["--help"]), lambda: api_args(["--help"])):
+        with pytest.raises(SystemExit) as done:
+            parse()
+        assert done.value.code == 0
+    text = capsys.readouterr().out
+    assert "--kv-cache-dtype" in text and "--engine-process" in text and "14%" in text
 
 
 def test_flag_beats_variable_beats_default() -> None:
