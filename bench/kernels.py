@@ -33,9 +33,15 @@ decode at batch 64 and 256 x contexts 1k and 4k, against a plain sum over the sa
 prefill chunks (``tflops``: the attention's products over the keys each query sees).
 
 ``--shapes 9/3/64,14/2/64`` adds the decode rows for other head shapes (batch 48 x 400 and
-64 x 512: ``decode_by_shape``). Prints the CPU kind beside the figures (``bench.common.emit``).
+64 x 512: ``decode_by_shape``). ``--kv-bf16`` adds ``decode_bf16_cache``: per shape and size,
+the C decode kernel over a float32 cache and over its bfloat16 copy (``--kv-cache-dtype
+bfloat16``: the kernel's bfloat16 build), alternating, each from DRAM: milliseconds, K/V GB/s
+(of each cache's own bytes), ``speedup`` (float32 time over bfloat16 time) and the bfloat16
+build's plain sum over the same blocks (``bf16_fraction_of_blocks_read``). Prints the CPU kind
+beside the figures (``bench.common.emit``).
 
-Usage: ``python -m bench.kernels [--repeats N] [--threads N] [--shapes H/KV/D,...] [--triton]``
+Usage: ``python -m bench.kernels [--repeats N] [--threads N] [--shapes H/KV/D,...] [--kv-bf16]
+[--triton]``
 """
 
 from __future__ import annotations
@@ -246,6 +252,51 @@ def bench_decode(
     )
 
 
+def bench_decode_bf16_cache(
+    batch: int, ctx: int, repeats: int, heads: HeadShape = HeadShape()
+) -> dict[str, float | int]:
+    """The C decode kernel over a float32 cache against its bfloat16 build over the same keys
+    and values rounded to bfloat16 (same scattered tables, rows and threads), from DRAM."""
+    f32, bf16 = native_kernel.load(), native_kernel.load(torch.bfloat16)
+    if f32 is None or bf16 is None:
+        return {}
+    H, KV, D = heads.heads, heads.kv_heads, heads.head_dim
+    gen = torch.Generator().manual_seed(0)
+    num_blocks = batch * ((ctx + BLOCK_SIZE - 1) // BLOCK_SIZE) + 16
+    meta = make_metadata([1] * batch, [ctx] * batch, BLOCK_SIZE, num_blocks, gen)
+    shape = (num_blocks, BLOCK_SIZE, KV, D)
+    k32, v32 = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    k16, v16 = k32.to(torch.bfloat16), v32.to(torch.bfloat16)
+    query = torch.randn(batch, H, D, generator=gen)
+    rows = DecodeRows.whole(torch.full((batch,), ctx))
+    tables = meta.block_tables.to(torch.int32).contiguous()
+    out, lse = torch.empty_like(query), torch.empty(batch, H)
+    scale = D**-0.5
+    kv_bytes = 2 * batch * ctx * KV * D * 4  # float32's; the bfloat16 cache holds half
+    cold = cold_gbps(
+        {
+            "f32": lambda: f32.decode(query, k32, v32, tables, rows, scale, None, out, lse),
+            "bf16": lambda: bf16.decode(query, k16, v16, tables, rows, scale, None, out, lse),
+            "bf16_blocks": lambda: bf16.read_blocks(k16, v16, tables, rows),
+        },
+        kv_bytes,
+        repeats,
+    )
+    ms = {name: kv_bytes / rate / 1e6 for name, rate in cold.items()}
+    return {
+        **asdict(heads),
+        "batch": batch,
+        "ctx": ctx,
+        "f32_ms": round(ms["f32"], 3),
+        "bf16_ms": round(ms["bf16"], 3),
+        "f32_kv_gbps": round(cold["f32"], 2),
+        "bf16_kv_gbps": round(cold["bf16"] / 2, 2),
+        "speedup": round(ms["f32"] / ms["bf16"], 3),
+        "bf16_blocks_read_gbps": round(cold["bf16_blocks"] / 2, 2),
+        "bf16_fraction_of_blocks_read": round(cold["bf16"] / cold["bf16_blocks"], 3),
+    }
+
+
 def bench_prefill(chunk: int, prefix: int, repeats: int) -> dict[str, float]:
     gen = torch.Generator().manual_seed(1)
     seq_len = prefix + chunk
@@ -433,6 +484,10 @@ def main() -> None:
         help="also decode at these heads/kv_heads/head_dim, comma-separated (e.g. "
         "9/3/64,14/2/64,32/8/128: SmolLM2, Qwen2-0.5B, Llama-8B-like)",
     )  # fmt: skip
+    parser.add_argument(
+        "--kv-bf16", action="store_true",
+        help="also the decode kernel over bfloat16 caches against float32 ones",
+    )  # fmt: skip
     args = parser.parse_args()
     enable_huge_pages()  # before the first tensor, as the worker does
     shapes = [HeadShape.parse(x) for x in args.shapes.split(",") if x]
@@ -463,6 +518,12 @@ def main() -> None:
             for b, c in [(48, 400), (64, 512)]
         ],
     }
+    if args.kv_bf16:
+        result["decode_bf16_cache"] = [
+            bench_decode_bf16_cache(b, c, args.repeats, h)
+            for h in [HeadShape(), *shapes]
+            for b, c in [(64, 512), (256, 256)]
+        ]
     emit("kernels.torch", {k: v for k, v in result.items() if k != "bench"})
 
 

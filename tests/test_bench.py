@@ -203,6 +203,28 @@ def test_the_bfloat16_modes_kernels_run_as_systems_of_their_own(tiny_model_dir: 
     assert body["ratios"]["ours-bf16w-native/ours-bf16w-onednn"] == want
 
 
+def test_the_bfloat16_kv_cache_runs_as_systems_of_its_own(tiny_model_dir: Path) -> None:
+    """``--systems ours-bf16kv,ours-bf16w,ours-bf16``: the cache alone, the weights alone and
+    both (the whole bfloat16 mode), each saying what it ran, and the cache's A/B ratio."""
+    from worker.models.layers import bf16_native, onednn_available
+
+    if not onednn_available() and not bf16_native():
+        pytest.skip("no bfloat16 products on this machine")
+    systems = "ours-bf16kv,ours-bf16w,ours-bf16"
+    cmd = [sys.executable, "-m", "bench.throughput", "--preset", "smoke", "--workload", "mixed",
+           "--systems", systems, "--model", str(tiny_model_dir)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    body = json.loads(proc.stdout.strip().splitlines()[-1])["workloads"]["mixed"]
+    kv, weights, both = (body["systems"][s] for s in ("ours-bf16kv", "ours-bf16w", "ours-bf16"))
+    assert kv["ok"] and weights["ok"] and both["ok"]
+    got = [(s["kv_cache_dtype"], s["bf16_weights"]) for s in (kv, weights, both)]
+    assert got == [("bfloat16", False), ("float32", True), ("bfloat16", True)]
+    assert kv["num_kv_blocks"] == 2 * weights["num_kv_blocks"]  # same bytes, twice the blocks
+    want = round(both["output_tok_s"] / weights["output_tok_s"], 2)
+    assert body["ratios"]["ours-bf16/ours-bf16w"] == want
+
+
 def test_profile_engine_reports_the_bfloat16_mode_by_phase(tiny_model_dir: Path) -> None:
     """``bench.profile_engine --weight-dtype bfloat16``: the phases' shares and the projections'
     FLOPs by row count, counted from the bfloat16 weights' shapes as from float32 ones."""
@@ -360,6 +382,17 @@ def test_kernels_inorder_tables_give_each_row_its_own_consecutive_run() -> None:
     got = inorder_tables(tables, 2)
     assert got.dtype == torch.int32 and got.shape == tables.shape and got.is_contiguous()
     assert got.tolist() == [[0, 1, 0], [2, 3, 0]]
+
+
+def test_kernels_decode_over_a_bfloat16_cache() -> None:
+    """``bench.kernels --kv-bf16``: the decode kernel's bfloat16 build against the float32
+    one on the same tables, with its figures consistent with each other."""
+    from bench.kernels import HeadShape, bench_decode_bf16_cache
+
+    got = bench_decode_bf16_cache(4, 64, 2, HeadShape.parse("9/3/64"))
+    assert (got["heads"], got["batch"], got["ctx"]) == (9, 4, 64)
+    assert got["f32_ms"] > 0 and got["bf16_ms"] > 0 and got["bf16_blocks_read_gbps"] > 0
+    assert got["speedup"] == pytest.approx(got["f32_ms"] / got["bf16_ms"], rel=0.05, abs=2e-3)
 
 
 def test_kernels_decode_runs_at_other_head_shapes() -> None:
