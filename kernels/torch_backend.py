@@ -335,7 +335,8 @@ class TorchBackend:
             shared = shared_prefixes(
                 query, k_cache, v_cache, work.shared, scale, cdt, self._workspace
             )
-        if work.native is not None and kernel is not None:
+        if work.native is not None:
+            assert kernel is not None  # the plan sent rows to it: loaded when planned
             self._native_decode(
                 kernel, query, k_cache, v_cache, work.native, scale, sliding_window, out, shared
             )
