@@ -9,7 +9,7 @@ tens of rows, prefill the thousands). Pass 2 (``--torch-profiler``) runs a small
 torch.profiler and lists the top aten ops by self CPU time. Prints one JSON line.
 
     python -m bench.profile_engine [--model DIR] [--workload mixed] [--requests 48]
-        [--torch-profiler]
+        [--weight-dtype auto|bfloat16] [--kv-cache-dtype auto|bfloat16] [--torch-profiler]
 """
 
 from __future__ import annotations
@@ -131,14 +131,19 @@ WORKLOADS = {"mixed": make_mixed, "uniform": make_uniform, "shared-prefix": make
 
 
 def run_workload(
-    model: Path, workload: str, requests: int, vocab: int, weight_dtype: str = "auto"
+    model: Path,
+    workload: str,
+    requests: int,
+    vocab: int,
+    weight_dtype: str = "auto",
+    kv_cache_dtype: str = "auto",
 ) -> tuple[float, int, int]:
     from pagedserve.params import SamplingParams
     from worker.llm import LLM
 
     wl = WORKLOADS[workload](requests, vocab, 0)
     llm = LLM(model, dtype="float32", max_model_len=wl.max_model_len, kv_cache_memory=2 << 30,
-              weight_dtype=weight_dtype)  # fmt: skip
+              weight_dtype=weight_dtype, kv_cache_dtype=kv_cache_dtype)  # fmt: skip
     llm.generate([[10, 11, 12, 13]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     for acc in (TOTALS, CALLS, LINEAR_S, LINEAR_FLOPS):
         acc.clear()
@@ -197,6 +202,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--torch-profiler", action="store_true")
     ap.add_argument("--weight-dtype", default="auto", help="auto | bfloat16 (the speed mode)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto | bfloat16 (half the cache)")
     args = ap.parse_args()
     import torch
 
@@ -208,7 +214,7 @@ def main() -> None:
         ops = torch_ops(model, args.workload, quarter, vocab) if args.torch_profiler else []
         install_timers()
         wall, ptok, otok = run_workload(model, args.workload, args.requests, vocab,
-                                        args.weight_dtype)  # fmt: skip
+                                        args.weight_dtype, args.kv_cache_dtype)  # fmt: skip
     figures = {
         "workload": args.workload,
         "requests": args.requests,

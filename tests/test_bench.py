@@ -226,10 +226,12 @@ def test_the_bfloat16_kv_cache_runs_as_systems_of_its_own(tiny_model_dir: Path) 
 
 
 def test_profile_engine_reports_the_bfloat16_mode_by_phase(tiny_model_dir: Path) -> None:
-    """``bench.profile_engine --weight-dtype bfloat16``: the phases' shares and the projections'
-    FLOPs by row count, counted from the bfloat16 weights' shapes as from float32 ones."""
+    """``bench.profile_engine --weight-dtype bfloat16 --kv-cache-dtype bfloat16``: the phases'
+    shares and the projections' FLOPs by row count, counted from the bfloat16 weights' shapes as
+    from float32 ones; the decode rows in the bfloat16 cache's C kernel."""
     cmd = [sys.executable, "-m", "bench.profile_engine", "--model", str(tiny_model_dir),
-           "--requests", "4", "--weight-dtype", "bfloat16"]  # fmt: skip
+           "--requests", "4", "--weight-dtype", "bfloat16",
+           "--kv-cache-dtype", "bfloat16"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     body = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -237,6 +239,12 @@ def test_profile_engine_reports_the_bfloat16_mode_by_phase(tiny_model_dir: Path)
     rows = body["linear_by_rows"]  # (the tiny model's rates round to 0.0 GFLOP/s: not checked)
     assert rows and all(r["s"] >= 0 and r["gflops"] is not None for r in rows)
     assert sum(r["pct_of_linear"] for r in rows) == pytest.approx(100, abs=1)
+    import torch
+
+    from kernels import native
+
+    if native.load(torch.bfloat16) is not None:
+        assert body["phases"]["attn.native_decode"]["calls"] > 0
 
 
 def test_a_gpu_run_leaves_vllm_cpu_out() -> None:
