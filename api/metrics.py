@@ -52,6 +52,9 @@ def worker_gauges(views: list[WorkerView]) -> Iterator[Metric]:
                 [(w.hb.worker_id, w.hb.waiting) for w in views])  # fmt: skip
     yield gauge("kv_cache_usage_perc", "KV-cache usage: fraction of blocks in use (1 = 100%).",
                 [(w.hb.worker_id, w.hb.pool.usage) for w in views if w.hb.pool])  # fmt: skip
+    yield gauge("kv_cache_bytes", "KV-cache pool size in bytes (blocks x bytes per block).",
+                [(w.hb.worker_id, w.hb.pool.num_blocks * w.hb.pool.bytes_per_block)
+                 for w in views if w.hb.pool and w.hb.pool.bytes_per_block])  # fmt: skip
     yield gauge("generation_throughput_toks_per_s", "Output tokens per second over ~10 s.",
                 [(w.hb.worker_id, w.hb.throughput_tok_s) for w in views])  # fmt: skip
     yield gauge("heartbeat_age_seconds", "Seconds since the worker's last heartbeat.",

@@ -115,6 +115,10 @@ def pool_json(w: WorkerView) -> dict[str, Any]:
         # Exclusive, one per drawn colour: what block_states holds.
         "block_state_counts": state_counts(p.block_states, p),
         "block_states": p.block_states,
+        # The cache in memory (--kv-cache-dtype); "" and 0 from a worker that does not say.
+        "kv_cache_dtype": p.kv_cache_dtype,
+        "kv_cache_bytes": p.num_blocks * p.bytes_per_block,
+        "kv_cache_bytes_in_use": p.in_use * p.bytes_per_block,
     }
     return out
 

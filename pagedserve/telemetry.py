@@ -55,6 +55,9 @@ class PoolSnapshot(BaseModel):
     usage: float  # in_use / num_blocks
     # One character per block, in block-id order: 0 free, 1 in use, 2 cached, 3 shared.
     block_states: str = ""
+    # What a block holds in memory (--kv-cache-dtype): "" / 0 from a worker that does not say.
+    kv_cache_dtype: str = ""
+    bytes_per_block: int = 0
 
 
 class PrefixCacheSnapshot(BaseModel):

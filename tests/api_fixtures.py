@@ -45,6 +45,8 @@ def heartbeat(worker_id: str = "w1", *, steps: int = 10, running: int = 2) -> Wo
         fragmentation_slots=14,
         usage=9 / 16,
         block_states=BLOCK_STATES,
+        kv_cache_dtype="bfloat16",
+        bytes_per_block=4096,
     )
     return WorkerHeartbeat(
         worker_id=worker_id,

@@ -173,6 +173,8 @@ def test_pool_and_workers_from_heartbeat(client: FlaskClient, redis_url: str) ->
     assert p["block_state_counts"] == {"free": 4, "in_use": 7, "cached": 3, "shared": 2}
     assert p["block_states"] == BLOCK_STATES
     assert p["fragmentation"] == pytest.approx(14 / (9 * 16))
+    assert (p["kv_cache_dtype"], p["kv_cache_bytes"]) == ("bfloat16", 16 * 4096)
+    assert p["kv_cache_bytes_in_use"] == 9 * 4096
 
     (wk,) = client.get("/v1/workers").get_json()["data"]
     assert wk["worker_id"] == "w1" and wk["host"] == "gpu-1" and wk["pid"] == 4242
@@ -253,6 +255,7 @@ def test_metrics_text_parses_with_values(client: FlaskClient, redis_url: str) ->
     assert s[("pagedserve:num_requests_running", w)] == 2
     assert s[("pagedserve:num_requests_waiting", w)] == 1
     assert s[("pagedserve:kv_cache_usage_perc", w)] == 9 / 16
+    assert s[("pagedserve:kv_cache_bytes", w)] == 16 * 4096
     assert s[("pagedserve:prefix_cache_queries_total", w)] == 200
     assert s[("pagedserve:prefix_cache_hits_total", w)] == 50
     assert s[("pagedserve:num_preemptions_total", w)] == 3

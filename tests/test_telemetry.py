@@ -18,7 +18,7 @@ from worker.service import ServiceConfig
 def test_engine_telemetry_is_typed_and_reaches_the_api(
     make_worker: Any, make_tiny_model, redis_url: str
 ) -> None:
-    llm = LLM(make_tiny_model("llama"), num_kv_blocks=32)
+    llm = LLM(make_tiny_model("llama"), num_kv_blocks=32, kv_cache_dtype="bfloat16")
     engine = llm.engine
     engine.add_request("a", [1, 2, 3, 4, 5], None)
     engine.step()
@@ -26,6 +26,9 @@ def test_engine_telemetry_is_typed_and_reaches_the_api(
     assert isinstance(tel, EngineTelemetry) and tel.steps == 1 and tel.running == 1
     assert tel.pool is not None and tel.pool.num_blocks == len(tel.pool.block_states) == 32
     assert tel.pool.in_use == tel.pool.block_states.count("1") + tel.pool.block_states.count("3")
+    k, _ = engine.runner.kv_caches[0]
+    per_block = 2 * len(engine.runner.kv_caches) * k[0].numel() * k.element_size()
+    assert (tel.pool.kv_cache_dtype, tel.pool.bytes_per_block) == ("bfloat16", per_block)
     store = JobStore(redis_url)
     w = make_worker(engine, store, ServiceConfig(worker_id="w", redis_url=redis_url))
     w._heartbeat()

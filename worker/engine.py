@@ -408,7 +408,10 @@ class Engine:
 
     def heartbeat_stats(self) -> EngineTelemetry:
         """Counters and the pool snapshot, typed as the heartbeat publishes them."""
-        return self._stats.telemetry(self.scheduler)
+        layout = self.runner.layout
+        dtype = str(self.runner.kv_dtype).removeprefix("torch.")
+        per_block = layout.bytes_per_token * layout.block_size
+        return self._stats.telemetry(self.scheduler, dtype, per_block)
 
     def occupancy(self) -> PoolOccupancy:
         """The pool snapshot with every running sequence's block table."""

@@ -71,7 +71,10 @@ class StatsKeeper:
             st.tokens_per_second = sum(t for _, t in self.recent[1:]) / span if span > 0 else 0.0
         return st
 
-    def telemetry(self, s: Scheduler) -> EngineTelemetry:
+    def telemetry(
+        self, s: Scheduler, kv_cache_dtype: str = "", bytes_per_block: int = 0
+    ) -> EngineTelemetry:
+        """Counters and the pool snapshot; the cache's dtype and bytes per block as given."""
         st = self.read(s)
         return EngineTelemetry(
             running=st.running,
@@ -82,7 +85,7 @@ class StatsKeeper:
             preemptions=st.preemptions,
             throughput_tok_s=st.tokens_per_second,
             prefix_cache=prefix_cache_snapshot(s),
-            pool=pool_snapshot(s.occupancy()),
+            pool=pool_snapshot(s.occupancy(), kv_cache_dtype, bytes_per_block),
         )
 
 
@@ -98,7 +101,9 @@ def prefix_cache_snapshot(s: Scheduler) -> PrefixCacheSnapshot:
     )
 
 
-def pool_snapshot(occ: PoolOccupancy) -> PoolSnapshot:
+def pool_snapshot(
+    occ: PoolOccupancy, kv_cache_dtype: str = "", bytes_per_block: int = 0
+) -> PoolSnapshot:
     return PoolSnapshot(
         num_blocks=occ.num_blocks,
         block_size=occ.block_size,
@@ -110,4 +115,6 @@ def pool_snapshot(occ: PoolOccupancy) -> PoolSnapshot:
         fragmentation_slots=occ.fragmentation_slots,
         usage=occ.usage,
         block_states=occ.block_states.translate(_WIRE_BLOCK_STATES).decode("ascii"),
+        kv_cache_dtype=kv_cache_dtype,
+        bytes_per_block=bytes_per_block,
     )

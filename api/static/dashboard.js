@@ -138,7 +138,10 @@ function renderWorker(w, info) {
       `${pool.blocks_total} blocks × ${pool.block_size} · free ${pool.blocks_free} ` +
       `(cached ${pool.blocks_cached}) · in use ${pool.blocks_in_use} ` +
       `(shared ${pool.blocks_shared}) · usage ${(100 * pool.usage).toFixed(1)}% · ` +
-      `${pool.tokens_stored} tokens stored · fragmentation ${(100 * pool.fragmentation).toFixed(1)}%`;
+      `${pool.tokens_stored} tokens stored · fragmentation ${(100 * pool.fragmentation).toFixed(1)}%` +
+      (pool.kv_cache_dtype
+        ? ` · ${pool.kv_cache_dtype} cache ${(pool.kv_cache_bytes / 2 ** 20).toFixed(1)} MiB`
+        : "");
     drawBlocks(el, pool);
   }
   renderPrefixes(el, w.prefixes);
