@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -63,6 +64,7 @@ def page_view(page: Any) -> dict[str, Any]:
           out.jobs = Object.fromEntries([...art.querySelectorAll("li[data-job-id]")]
             .map((li) => [li.dataset.jobId, li.dataset.progress]));
           out.state_text = art.querySelector(".worker-state").textContent;
+          out.pool_text = art.querySelector(".pool-stats").textContent;
           out.queues = {
             interactive: Number(document.getElementById("queue-interactive").dataset.depth),
             bulk: Number(document.getElementById("queue-bulk").dataset.depth),
@@ -182,6 +184,11 @@ def test_dashboard_follows_a_live_worker(
         assert shown["drawn"]["shared"] > 0, "jobs share a 4-block prefix: some blocks shared"
         assert want["running"] > 0 and len(shown["jobs"]) > 0
         assert f"{want['running']} running" in shown["state_text"]
+        # the cache in memory beside the pool (the worker's float32 default)
+        (pw,) = pool["workers"]
+        shown_mib = re.search(r"float32 cache ([0-9.]+) MiB", shown["pool_text"])
+        assert shown_mib, shown["pool_text"]
+        assert float(shown_mib[1]) == pytest.approx(pw["pool"]["kv_cache_bytes"] / 2**20, abs=0.06)
         assert set(shown["jobs"]) <= set(ids)
 
         # The jobs end; the page shows an empty pool (prefix blocks may stay cached) and no job.
