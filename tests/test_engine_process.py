@@ -177,3 +177,25 @@ def test_the_child_ends_with_a_killed_worker(
     child = engine_child(w.proc.pid)
     w.kill()  # SIGKILL: no drain, no close; the child sees its pipe closed
     wait_for(lambda: not alive(child), timeout=20, what="the orphaned engine process to end")
+
+
+def test_a_worker_keeps_its_cache_in_bfloat16_when_told(
+    redis_url: str, model_dir: Path, start_worker: StartWorker
+) -> None:
+    """``pagedserve worker --kv-cache-dtype bfloat16`` (here with the engine in a process of its
+    own): jobs answer token for token as the in-process engine does with the same cache, and the
+    heartbeat says what the pool holds."""
+    from api.state import parse_heartbeats
+    from pagedserve.store import JobStore
+
+    start_worker(redis_url, model_dir, "w1", "--engine-process", "--kv-cache-dtype", "bfloat16")
+    client = Client(redis_url)
+    jid = client.submit([5, 17, 99, 200, 3], GREEDY.model_dump())
+    rec = client.wait(jid, timeout=60)
+    assert rec.status == JobStatus.SUCCEEDED and rec.result is not None
+    local = Engine(model_dir, EngineConfig(num_kv_blocks=256, kv_cache_dtype="bfloat16"))
+    local.add_request("a", [5, 17, 99, 200, 3], GREEDY, stream=False)
+    want = run_all(local)["a"].outputs[0].token_ids
+    assert rec.result.completions[0].token_ids == want
+    pools = [hb.pool for hb in parse_heartbeats(JobStore(redis_url).workers()).values()]
+    assert [p.kv_cache_dtype if p else None for p in pools] == ["bfloat16"]
