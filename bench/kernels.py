@@ -57,6 +57,7 @@ import torch.nn.functional as F
 
 from bench.common import emit
 from kernels import native as native_kernel
+from kernels.metadata import AttentionMetadata
 from kernels.native import DecodeRows
 from kernels.testing import make_batch, make_metadata, share_prefix
 from kernels.torch_backend import TorchBackend
@@ -179,17 +180,26 @@ class HeadShape:
         return cls(heads, kv, dim)
 
 
+def scattered_decode(
+    batch: int, ctx: int, heads: HeadShape
+) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor, torch.Generator]:
+    """``batch`` decode rows of ``ctx`` tokens each, their blocks scattered randomly through a
+    float32 pool: (metadata, keys, values, queries, the generator for anything else)."""
+    gen = torch.Generator().manual_seed(0)
+    num_blocks = batch * ((ctx + BLOCK_SIZE - 1) // BLOCK_SIZE) + 16
+    meta = make_metadata([1] * batch, [ctx] * batch, BLOCK_SIZE, num_blocks, gen)
+    shape = (num_blocks, BLOCK_SIZE, heads.kv_heads, heads.head_dim)
+    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    query = torch.randn(batch, heads.heads, heads.head_dim, generator=gen)
+    return meta, k_cache, v_cache, query, gen
+
+
 def bench_decode(
     batch: int, ctx: int, repeats: int, heads: HeadShape = HeadShape()
 ) -> DecodeResult:
     """Decode tokens whose contexts are scattered randomly through a pool of blocks."""
     H, KV, D = heads.heads, heads.kv_heads, heads.head_dim
-    gen = torch.Generator().manual_seed(0)
-    num_blocks = batch * ((ctx + BLOCK_SIZE - 1) // BLOCK_SIZE) + 16
-    meta = make_metadata([1] * batch, [ctx] * batch, BLOCK_SIZE, num_blocks, gen)
-    shape = (num_blocks, BLOCK_SIZE, KV, D)
-    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
-    query = torch.randn(batch, H, D, generator=gen)
+    meta, k_cache, v_cache, query, gen = scattered_decode(batch, ctx, heads)
     key = torch.randn(batch, KV, D, generator=gen)
     value = torch.randn(batch, KV, D, generator=gen)
     scale = D**-0.5
@@ -261,13 +271,8 @@ def bench_decode_bf16_cache(
     if f32 is None or bf16 is None:
         return {}
     H, KV, D = heads.heads, heads.kv_heads, heads.head_dim
-    gen = torch.Generator().manual_seed(0)
-    num_blocks = batch * ((ctx + BLOCK_SIZE - 1) // BLOCK_SIZE) + 16
-    meta = make_metadata([1] * batch, [ctx] * batch, BLOCK_SIZE, num_blocks, gen)
-    shape = (num_blocks, BLOCK_SIZE, KV, D)
-    k32, v32 = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    meta, k32, v32, query, _ = scattered_decode(batch, ctx, heads)
     k16, v16 = k32.to(torch.bfloat16), v32.to(torch.bfloat16)
-    query = torch.randn(batch, H, D, generator=gen)
     rows = DecodeRows.whole(torch.full((batch,), ctx))
     tables = meta.block_tables.to(torch.int32).contiguous()
     out, lse = torch.empty_like(query), torch.empty(batch, H)

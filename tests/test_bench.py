@@ -182,6 +182,16 @@ def test_bfloat16_weights_run_as_a_system_of_their_own(tiny_model_dir: Path) -> 
     )
 
 
+def smoke_mixed(model: Path, systems: str) -> dict[str, Any]:
+    """``bench.throughput --preset smoke --workload mixed`` of ``systems`` on ``model``: the
+    workload's body (systems, ratios) from the JSON line."""
+    cmd = [sys.executable, "-m", "bench.throughput", "--preset", "smoke", "--workload", "mixed",
+           "--systems", systems, "--model", str(model)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])["workloads"]["mixed"]
+
+
 def test_the_bfloat16_modes_kernels_run_as_systems_of_their_own(tiny_model_dir: Path) -> None:
     """``--systems ours-bf16w-native,ours-bf16w-onednn``: the mode with its products forced onto
     our C GEMM and onto oneDNN (the A/B an AMX CPU needs), each saying which it ran (the C path
@@ -189,12 +199,7 @@ def test_the_bfloat16_modes_kernels_run_as_systems_of_their_own(tiny_model_dir: 
     from kernels import gemm
 
     lib = gemm.load()
-    systems = "ours-bf16w-native,ours-bf16w-onednn"
-    cmd = [sys.executable, "-m", "bench.throughput", "--preset", "smoke", "--workload", "mixed",
-           "--systems", systems, "--model", str(tiny_model_dir)]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    body = json.loads(proc.stdout.strip().splitlines()[-1])["workloads"]["mixed"]
+    body = smoke_mixed(tiny_model_dir, "ours-bf16w-native,ours-bf16w-onednn")
     native, onednn = body["systems"]["ours-bf16w-native"], body["systems"]["ours-bf16w-onednn"]
     assert native["ok"] and onednn["ok"] and native["bf16_weights"] and onednn["bf16_weights"]
     assert native["bf16_gemm"] == ("native" if lib is not None and lib.bf16 else "onednn")
@@ -210,12 +215,7 @@ def test_the_bfloat16_kv_cache_runs_as_systems_of_its_own(tiny_model_dir: Path) 
 
     if not onednn_available() and not bf16_native():
         pytest.skip("no bfloat16 products on this machine")
-    systems = "ours-bf16kv,ours-bf16w,ours-bf16"
-    cmd = [sys.executable, "-m", "bench.throughput", "--preset", "smoke", "--workload", "mixed",
-           "--systems", systems, "--model", str(tiny_model_dir)]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    body = json.loads(proc.stdout.strip().splitlines()[-1])["workloads"]["mixed"]
+    body = smoke_mixed(tiny_model_dir, "ours-bf16kv,ours-bf16w,ours-bf16")
     kv, weights, both = (body["systems"][s] for s in ("ours-bf16kv", "ours-bf16w", "ours-bf16"))
     assert kv["ok"] and weights["ok"] and both["ok"]
     got = [(s["kv_cache_dtype"], s["bf16_weights"]) for s in (kv, weights, both)]

@@ -424,11 +424,12 @@ def test_kv_cache_dtype_choices_and_errors() -> None:
     assert resolve_kv_cache_dtype("bfloat16", torch.float32, cpu) is torch.bfloat16
     assert resolve_kv_cache_dtype("bf16", torch.bfloat16, cpu) is torch.bfloat16
     assert resolve_kv_cache_dtype("float32", torch.float32, cpu) is torch.float32
-    with pytest.raises(ValueError, match="not supported on CPU"):
-        resolve_kv_cache_dtype("float16", torch.float32, cpu)
-    with pytest.raises(ValueError, match="wider than the model"):
-        resolve_kv_cache_dtype("float32", torch.bfloat16, cpu)
-    with pytest.raises(ValueError, match="on a GPU"):
-        resolve_kv_cache_dtype("float32", torch.bfloat16, cuda)
-    with pytest.raises(ValueError, match="unsupported KV-cache dtype"):
-        resolve_kv_cache_dtype("fp8", torch.float32, cpu)
+    refused = [
+        ("float16", torch.float32, cpu, "not supported on CPU"),
+        ("float32", torch.bfloat16, cpu, "wider than the model"),
+        ("float32", torch.bfloat16, cuda, "on a GPU"),
+        ("fp8", torch.float32, cpu, "unsupported KV-cache dtype"),
+    ]
+    for name, dtype, device, why in refused:
+        with pytest.raises(ValueError, match=why):
+            resolve_kv_cache_dtype(name, dtype, device)

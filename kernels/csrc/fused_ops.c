@@ -140,27 +140,6 @@ static inline void ps_rope_row(float *row, int64_t rotated, int64_t head_dim, co
     }
 }
 
-/* Each token's row rotated (ps_rope_row), then its k and v copied to cache slot slots[t]
- * (caches [slots, Hkv, D] contiguous) when slots is not NULL. */
-void ps_rope_kv_f32(float *qkv, int64_t tokens, int64_t row_stride, int64_t num_heads,
-                    int64_t num_kv_heads, int64_t head_dim, const float *table,
-                    const int64_t *positions, float *k_cache, float *v_cache,
-                    const int64_t *slots, int32_t threads) {
-    const int64_t rotated = num_heads + num_kv_heads, kv_floats = num_kv_heads * head_dim;
-#pragma omp parallel for schedule(static) num_threads(threads) \
-    if (tokens * rotated * head_dim >= PS_PAR_MIN)
-    for (int64_t t = 0; t < tokens; ++t) {
-        float *row = qkv + t * row_stride;
-        ps_rope_row(row, rotated, head_dim, table, positions[t]);
-        if (slots) {
-            memcpy(k_cache + slots[t] * kv_floats, row + num_heads * head_dim,
-                   (size_t)kv_floats * sizeof(float));
-            memcpy(v_cache + slots[t] * kv_floats, row + rotated * head_dim,
-                   (size_t)kv_floats * sizeof(float));
-        }
-    }
-}
-
 /* n floats to bfloat16, rounded to nearest even as torch's .to(torch.bfloat16) does (NaN to a
  * quiet NaN, 0x7fc0, as torch's scalar conversion): the same bits. */
 typedef uint32_t ps_v8su __attribute__((vector_size(32)));
@@ -185,20 +164,42 @@ static inline void ps_to_bf16(uint16_t *dst, const float *src, int64_t n) {
     for (; i < n; ++i) dst[i] = ps_bf16(src[i]);
 }
 
-/* ps_rope_kv_f32 for bfloat16 caches (--kv-cache-dtype bfloat16): k and v rounded on store. */
-void ps_rope_kv_bf16(float *qkv, int64_t tokens, int64_t row_stride, int64_t num_heads,
-                     int64_t num_kv_heads, int64_t head_dim, const float *table,
-                     const int64_t *positions, uint16_t *k_cache, uint16_t *v_cache,
-                     const int64_t *slots, int32_t threads) {
+/* Each token's row rotated (ps_rope_row), then its k and v stored at cache slot slots[t] (caches
+ * [slots, Hkv, D] contiguous, float32 or, with bf16, bfloat16 rounded on store) when slots is
+ * not NULL. bf16 is a constant at both call sites below. */
+static inline __attribute__((always_inline)) void ps_rope_kv(
+    float *qkv, int64_t tokens, int64_t row_stride, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, const float *table, const int64_t *positions, void *k_cache,
+    void *v_cache, const int64_t *slots, int32_t threads, const int bf16) {
     const int64_t rotated = num_heads + num_kv_heads, kv_elems = num_kv_heads * head_dim;
 #pragma omp parallel for schedule(static) num_threads(threads) \
     if (tokens * rotated * head_dim >= PS_PAR_MIN)
     for (int64_t t = 0; t < tokens; ++t) {
         float *row = qkv + t * row_stride;
         ps_rope_row(row, rotated, head_dim, table, positions[t]);
-        if (slots) {
-            ps_to_bf16(k_cache + slots[t] * kv_elems, row + num_heads * head_dim, kv_elems);
-            ps_to_bf16(v_cache + slots[t] * kv_elems, row + rotated * head_dim, kv_elems);
+        if (!slots) continue;
+        const float *k = row + num_heads * head_dim, *v = row + rotated * head_dim;
+        const int64_t at = slots[t] * kv_elems;
+        if (bf16) {
+            ps_to_bf16((uint16_t *)k_cache + at, k, kv_elems);
+            ps_to_bf16((uint16_t *)v_cache + at, v, kv_elems);
+        } else {
+            memcpy((float *)k_cache + at, k, (size_t)kv_elems * sizeof(float));
+            memcpy((float *)v_cache + at, v, (size_t)kv_elems * sizeof(float));
         }
     }
 }
+
+/* The exported pair: ps_rope_kv_f32 (float32 caches) and ps_rope_kv_bf16 (bfloat16 caches,
+ * --kv-cache-dtype bfloat16: k and v rounded on store). */
+#define PS_ROPE_KV_FN(suffix, cache_t, bf16)                                                   \
+    void ps_rope_kv_##suffix(float *qkv, int64_t tokens, int64_t row_stride, int64_t num_heads, \
+                             int64_t num_kv_heads, int64_t head_dim, const float *table,        \
+                             const int64_t *positions, cache_t *k_cache, cache_t *v_cache,      \
+                             const int64_t *slots, int32_t threads) {                           \
+        ps_rope_kv(qkv, tokens, row_stride, num_heads, num_kv_heads, head_dim, table,           \
+                   positions, k_cache, v_cache, slots, threads, bf16);                          \
+    }
+PS_ROPE_KV_FN(f32, float, 0)
+PS_ROPE_KV_FN(bf16, uint16_t, 1)
+#undef PS_ROPE_KV_FN
