@@ -409,9 +409,8 @@ class Engine:
     def heartbeat_stats(self) -> EngineTelemetry:
         """Counters and the pool snapshot, typed as the heartbeat publishes them."""
         layout = self.runner.layout
-        dtype = str(self.runner.kv_dtype).removeprefix("torch.")
         per_block = layout.bytes_per_token * layout.block_size
-        return self._stats.telemetry(self.scheduler, dtype, per_block)
+        return self._stats.telemetry(self.scheduler, self.runner.kv_dtype_name, per_block)
 
     def occupancy(self) -> PoolOccupancy:
         """The pool snapshot with every running sequence's block table."""

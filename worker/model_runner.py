@@ -143,7 +143,7 @@ class ModelRunner:
         log.info(
             "KV cache (%s): %d bytes per token, %d blocks of %d tokens, capacity %d tokens "
             "(%.1f MiB)",
-            str(self.kv_dtype).removeprefix("torch."),
+            self.kv_dtype_name,
             self.layout.bytes_per_token,
             self.layout.num_blocks,
             self.block_size,
@@ -154,6 +154,11 @@ class ModelRunner:
         native_for = getattr(backend, "native_for", None)
         native = native_for is not None and native_for(self.kv_dtype)
         log.info("attention: %s backend%s", backend.name, ", C decode kernel" if native else "")
+
+    @property
+    def kv_dtype_name(self) -> str:
+        """The cache's dtype as ``--kv-cache-dtype`` names it (``float32``, ``bfloat16``)."""
+        return str(self.kv_dtype).removeprefix("torch.")
 
     # ------------------------------------------------------------------ sizing
     def bytes_per_token(self) -> int:

@@ -121,7 +121,7 @@ def run(job: Job) -> dict[str, Any]:
     result["num_kv_blocks"] = llm.engine.runner.layout.num_blocks
     result["bf16_weights"] = _bf16_weights(llm)
     result["bf16_gemm"] = _bf16_gemm(llm)
-    result["kv_cache_dtype"] = str(llm.engine.runner.kv_dtype).removeprefix("torch.")
+    result["kv_cache_dtype"] = llm.engine.runner.kv_dtype_name
     result["length_mismatches"] = len(wrong)
     result["ok"] = not wrong
     return result
