@@ -1,5 +1,6 @@
 /*
- * Single-pass paged decode attention for CPUs (float32).
+ * Single-pass paged decode attention for CPUs (float32 arithmetic over a float32 cache, or a
+ * bfloat16 one in the library built with -DPS_KV_BF16=1: ps_kv.h).
  *
  * Why this exists: in plain torch, decode attention over a paged cache has to gather each
  * sequence's scattered blocks into a buffer before a batched attention call can read them, so

@@ -1,6 +1,6 @@
 /*
- * Tiled causal attention of prefill chunks over the paged cache (float32), included by
- * paged_decode.c (one library, one loader).
+ * Tiled causal attention of prefill chunks over the paged cache (float32 arithmetic; the
+ * cache's element type from ps_kv.h), included by paged_decode.c (one library, one loader).
  *
  * Why this exists: a prefill chunk used to join the decode kernel as one decode row per query
  * token, so every query token read its whole context alone (three query heads per key load at
