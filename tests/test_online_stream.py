@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
+import signal
 import socket
 import threading
 import time
@@ -134,12 +136,19 @@ def test_non_stream_disconnect_cancels_the_job(stack: Stack) -> None:
         new = set(store.r.keys("ps:job:*")) - before
         for key in new:
             rec = store.get(key.removeprefix("ps:job:"))
-            if rec is not None and rec.tokens_generated > 0:
+            if rec is not None and rec.status == JobStatus.RUNNING:
                 return rec.id
         return None
 
     job_id = wait_for(running, 20, "the job started")
-    sock.close()
+    # The worker held while the API notices: on a fast CPU the tiny model's 400 tokens take
+    # ~0.2 s, about what noticing a hang-up and cancelling take, so the job often ended first.
+    os.kill(stack.worker.proc.pid, signal.SIGSTOP)
+    try:
+        sock.close()
+        wait_for(lambda: store.status(job_id) == JobStatus.CANCELLING, 10, "the cancel asked")
+    finally:
+        os.kill(stack.worker.proc.pid, signal.SIGCONT)
     rec = wait_for(lambda: (r := store.get(job_id)) and r.status.terminal and r, 20, "the end")
     assert rec.status == JobStatus.CANCELLED and rec.tokens_generated < 400
     wait_for(lambda: store.workers()["online-w"]["running"] == 0, 10, "no running job")
