@@ -408,8 +408,7 @@ class Engine:
 
     def heartbeat_stats(self) -> EngineTelemetry:
         """Counters and the pool snapshot, typed as the heartbeat publishes them."""
-        layout = self.runner.layout
-        per_block = layout.bytes_per_token * layout.block_size
+        per_block = self.runner.layout.bytes_per_block
         return self._stats.telemetry(self.scheduler, self.runner.kv_dtype_name, per_block)
 
     def occupancy(self) -> PoolOccupancy:

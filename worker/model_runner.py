@@ -48,6 +48,10 @@ class CacheLayout:
     def capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
@@ -118,7 +122,7 @@ class ModelRunner:
         self.model: CausalLM = load_model(model_dir, self.dtype, self.device)
         if bf16_weights:
             n = self.model.pack_weights(bf16=True)
-            log.info("packed %d projection weights in bfloat16 (oneDNN)", n)
+            log.info("packed %d projection weights in bfloat16 (C GEMM or oneDNN)", n)
         elif self.device.type == "cpu" and prepack_enabled():
             log.info("packed %d projection weights (C GEMM or oneDNN)", self.model.pack_weights())
         mc = self.model.config
@@ -148,7 +152,7 @@ class ModelRunner:
             self.layout.num_blocks,
             self.block_size,
             self.layout.capacity_tokens,
-            self.layout.num_blocks * self.block_size * self.layout.bytes_per_token / 2**20,
+            self.layout.num_blocks * self.layout.bytes_per_block / 2**20,
         )
         backend = get_backend(self.device)  # built now (a CPU kernel compiles once), not mid-step
         native_for = getattr(backend, "native_for", None)
@@ -162,9 +166,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ sizing
     def bytes_per_token(self) -> int:
-        mc = self.model.config
-        elem = self.kv_dtype.itemsize
-        return 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * elem
+        return self.model.config.kv_cache_bytes_per_token(self.kv_dtype)
 
     def _plan_cache(self) -> CacheLayout:
         per_token = self.bytes_per_token()

@@ -51,5 +51,4 @@ class ModelConfig:
 
     def kv_cache_bytes_per_token(self, cache_dtype: torch.dtype | None = None) -> int:
         """Bytes of K and V, over all layers, that one cached token occupies."""
-        itemsize = torch.empty((), dtype=cache_dtype or self.dtype).element_size()
-        return 2 * self.num_layers * self.kv_size * itemsize
+        return 2 * self.num_layers * self.kv_size * (cache_dtype or self.dtype).itemsize

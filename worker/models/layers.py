@@ -75,8 +75,8 @@ class Bf16Weight:
     """``--weight-dtype bfloat16``: a projection weight rounded to bfloat16, packed for our C
     GEMM (``panels``, :meth:`kernels.gemm.NativeGemm.pack_bf16`) or for oneDNN (``packed``), as
     :func:`bf16_native` says; each product rounds its float32 input to bfloat16 and returns
-    float32 (the bias, if any, added in float32). Everything else (norms, rope, attention, the
-    KV cache, sampling) stays float32.
+    float32 (the bias, if any, added in float32). Everything else (norms, rope, attention,
+    sampling; the KV cache unless ``--kv-cache-dtype bfloat16``) stays float32.
 
     Why: on CPUs with AMX, oneDNN's bfloat16 matmul (``brg_matmul:avx10_1_512_amx``) ran
     SmolLM2's projections 4-6x faster than any float32 path at prefill sizes and 2-3x at decode
