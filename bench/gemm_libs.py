@@ -14,7 +14,8 @@ count 2 x rows x out x in per product; every path's result is checked against ``
 
 ``--bf16`` adds ``onednn_bf16``: the weight rounded to bfloat16, the input cast per call, the
 output cast back (other numerics: never a default, measured beside the float32 paths), and
-``native_bf16``, our C GEMM's bfloat16 path where the CPU has AVX512-BF16.
+``native_bf16``, our C GEMM's bfloat16 path where the CPU has AVX512-BF16 (its AMX tiles where
+the CPU has AMX; ``native_bf16_vdp`` then is the same panels through ``vdpbf16ps``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,15 @@ MODELS: dict[str, dict[str, tuple[int, int]]] = {
     "bench": {"qkv": (1024, 512), "o": (512, 512), "gate_up": (3072, 512), "down": (512, 1536)},
     "smollm2": {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)},
 }
-LIBRARIES = ("mkl", "onednn_packed", "onednn_plain", "native_gemm", "onednn_bf16", "native_bf16")
+LIBRARIES = (
+    "mkl",
+    "onednn_packed",
+    "onednn_plain",
+    "native_gemm",
+    "onednn_bf16",
+    "native_bf16",
+    "native_bf16_vdp",
+)
 
 
 def best_seconds(fn: Callable[[], object], min_seconds: float) -> float:
@@ -78,6 +87,8 @@ def products(
         out["onednn_bf16"] = fn
     if bf16 and lib is not None and lib.bf16:
         out["native_bf16"] = lib.pack_bf16(weight).matmul
+    if bf16 and lib is not None and lib.amx:  # the same panels through vdpbf16ps: the A/B
+        out["native_bf16_vdp"] = lib.pack_bf16(weight, amx=False).matmul
     return out
 
 
@@ -91,7 +102,7 @@ def check(fns: dict[str, Callable[[torch.Tensor], torch.Tensor]], weight: torch.
     want = F.linear(x, weight)
     terms = (x.abs() @ weight.abs().T).max().item()
     for name, fn in fns.items():
-        tol = 5e-2 * want.abs().max().item() if name.endswith("bf16") else 2**-17 * terms
+        tol = 5e-2 * want.abs().max().item() if "bf16" in name else 2**-17 * terms
         torch.testing.assert_close(fn(x), want, atol=tol, rtol=1e-4, msg=name)
 
 

@@ -25,7 +25,8 @@ force its products onto our C GEMM or oneDNN (``PAGEDSERVE_BF16_GEMM``; ratio
 ``ours-bf16w-native/ours-bf16w-onednn``: the A/B an AMX CPU still needs). ``ours-bf16`` adds
 a bfloat16 KV cache to ``ours-bf16w`` (``kv_cache_dtype="bfloat16"``: the whole bfloat16 mode,
 like ``vllm-bf16``; ratios ``ours-bf16/vllm-bf16`` and ``ours-bf16/ours-bf16w``, the cache's
-A/B) and ``ours-bf16kv`` adds it to float32 ``ours``. None runs unless ``--systems`` names it.
+A/B; ``base-bf16`` is ``base`` in the whole mode, ratio ``ours-bf16/base-bf16``) and
+``ours-bf16kv`` adds it to float32 ``ours``. None runs unless ``--systems`` names it.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ ALL_SYSTEMS = (
     "ours-bf16w-native",
     "ours-bf16w-onednn",
     "ours-bf16",
+    "base-bf16",
     "ours-bf16kv",
 )
 #: Systems that are another one with other options (bfloat16: not in a default run).
@@ -76,6 +78,7 @@ VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
     "ours-bf16w-onednn": ("ours", {"weight_dtype": "bfloat16", "bf16_gemm": "onednn"}),
     "vllm-bf16": ("vllm", {"vllm_dtype": "bfloat16"}),
     "ours-bf16": ("ours", {"weight_dtype": "bfloat16", "kv_cache_dtype": "bfloat16"}),
+    "base-bf16": ("base", {"weight_dtype": "bfloat16", "kv_cache_dtype": "bfloat16"}),
     "ours-bf16kv": ("ours", {"kv_cache_dtype": "bfloat16"}),
 }
 WORKLOADS = ("mixed", "uniform", "shared-prefix")
@@ -392,7 +395,7 @@ def throughput_workload(wl: Workload, systems: list[str], ctx: dict[str, Any]) -
     if "ours-bf16w-native" in res and "ours-bf16w-onednn" in res:  # the mode's two kernels
         pairs.append(("ours-bf16w-native", "ours-bf16w-onednn"))
     if "ours-bf16" in res:  # the whole bfloat16 mode: against vLLM's, and its cache's A/B
-        pairs += [("ours-bf16", s) for s in ("vllm-bf16", "ours-bf16w") if s in res]
+        pairs += [("ours-bf16", s) for s in ("vllm-bf16", "ours-bf16w", "base-bf16") if s in res]
     body: dict[str, Any] = {
         "systems": res,
         "ratios": {f"{a}/{b}": ratio(res[a], res[b]) for a, b in pairs},

@@ -15,7 +15,10 @@ where oneDNN wins can be told apart later without changing what ``1`` means.
 Where the CPU has AVX512-BF16, the same library multiplies bfloat16 weights too
 (:meth:`NativeGemm.pack_bf16`, ``vdpbf16ps``; ``--weight-dtype bfloat16``): on a Zen 4 EPYC its
 decode-sized products ran 1.27-1.38x oneDNN's bfloat16 ones over cold weights, prefill-sized
-ones within 5% (bench/README.md, a twenty-eighth session).
+ones within 5% (bench/README.md, a twenty-eighth session). Where the CPU also has AMX, the same
+panels multiply on its tiles (``ps_gemm_bf16_amx``): on an Intel Xeon decode-sized products
+1.6-1.8x oneDNN's AMX kernels over cold weights, 2048-row ones at 0.9-0.97x (a thirtieth
+session).
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "gemm.c"
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+#: The AMX path's k step (one tile row of bfloat16 values): other widths use ``vdpbf16ps``.
+AMX_K = 32
 
 
 class NativeGemm:
@@ -47,11 +52,17 @@ class NativeGemm:
         lib.ps_gemm_bf16.argtypes = lib.ps_gemm_f32.argtypes
         lib.ps_gemm_bf16.restype = None
         lib.ps_gemm_bf16_available.restype = ctypes.c_int
+        lib.ps_gemm_bf16_amx.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _P, _I32]
+        lib.ps_gemm_bf16_amx.restype = None
+        lib.ps_gemm_amx_available.restype = ctypes.c_int
         self._lib = lib
         #: Output columns per panel: 16 with 8-float vectors, 32 with 16-float ones.
         self.panel_width = int(lib.ps_gemm_panel_width())
         #: Whether this build multiplies bfloat16 weights (AVX-512 with AVX512-BF16).
         self.bf16 = bool(lib.ps_gemm_bf16_available())
+        #: Whether this build has the AMX tile path and Linux granted this process the tiles:
+        #: weights packed by :meth:`pack_bf16` with ``in`` a multiple of 32 then multiply on it.
+        self.amx = self.bf16 and bool(lib.ps_gemm_amx_available())
 
     def pack(self, weight: torch.Tensor) -> PanelWeight:
         """``weight`` [out, in] (float32, CPU) as panels ``[ceil(out / NR), in, NR]``."""
@@ -66,10 +77,12 @@ class NativeGemm:
         panels = w.reshape(padded // nr, nr, k).transpose(1, 2).contiguous()
         return PanelWeight(panels=panels, out_features=n, in_features=k, gemm=self)
 
-    def pack_bf16(self, weight: torch.Tensor) -> PanelWeight:
+    def pack_bf16(self, weight: torch.Tensor, amx: bool | None = None) -> PanelWeight:
         """``weight`` [out, in] (float32, CPU, ``in`` even) rounded to bfloat16 as panels of 32
         columns with each column's k pairs side by side: ``[ceil(out / 32), in / 2, 32, 2]``
-        (``ps_gemm_bf16`` in gemm.c). Only where :attr:`bf16`."""
+        (``ps_gemm_bf16`` in gemm.c). Only where :attr:`bf16`. ``amx``: its products on the
+        AMX tiles (``ps_gemm_bf16_amx``: the same panels); default where :attr:`amx` and ``in``
+        is a multiple of 32, else ``vdpbf16ps``."""
         if not self.bf16:
             raise ValueError("this build of the C GEMM has no bfloat16 path (AVX512-BF16)")
         if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
@@ -77,13 +90,19 @@ class NativeGemm:
         n, k = weight.shape
         if k % 2:
             raise ValueError("pack_bf16 needs an even number of input features")
+        if amx is None:
+            amx = self.amx and k % AMX_K == 0
+        elif amx and not self.amx:
+            raise ValueError("this build or CPU has no AMX tile path")
+        elif amx and k % AMX_K:
+            raise ValueError(f"the AMX path takes input features in multiples of {AMX_K}")
         nr = self.panel_width
         padded = -(-n // nr) * nr
         w = weight.detach().to(torch.bfloat16)
         if padded != n:
             w = torch.cat([w, w.new_zeros(padded - n, k)])
         panels = w.reshape(padded // nr, nr, k // 2, 2).transpose(1, 2).contiguous()
-        return PanelWeight(panels=panels, out_features=n, in_features=k, gemm=self)
+        return PanelWeight(panels=panels, out_features=n, in_features=k, gemm=self, amx=amx)
 
     def matmul(
         self, x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None
@@ -94,7 +113,8 @@ class NativeGemm:
         if k != weight.in_features or x.dtype != torch.float32 or not x.is_cpu:
             raise ValueError(f"x must be float32 [rows, {weight.in_features}] on the CPU")
         bf16 = weight.panels.dtype == torch.bfloat16
-        if bf16:
+        amx = bf16 and weight.amx
+        if bf16 and not amx:
             x = x.to(torch.bfloat16, memory_format=torch.contiguous_format)
         elif x.stride(1) != 1:
             x = x.contiguous()
@@ -103,12 +123,16 @@ class NativeGemm:
             if bias.numel() != weight.out_features:
                 raise ValueError("bias must have one value per output column")
         y = torch.empty(m, weight.out_features, dtype=torch.float32)
-        run = self._lib.ps_gemm_bf16 if bf16 else self._lib.ps_gemm_f32
-        run(
+        args = (
             x.data_ptr(), m, k, x.stride(0), weight.panels.data_ptr(), weight.out_features,
             None if bias is None else bias.data_ptr(), y.data_ptr(), y.stride(0),
-            torch.get_num_threads(),
         )  # fmt: skip
+        if amx:  # x is rounded in C, into row blocks of the tiles' shape
+            scratch = torch.empty(-(-m // 16) * 16 * k, dtype=torch.bfloat16)
+            self._lib.ps_gemm_bf16_amx(*args, scratch.data_ptr(), torch.get_num_threads())
+        else:
+            run = self._lib.ps_gemm_bf16 if bf16 else self._lib.ps_gemm_f32
+            run(*args, torch.get_num_threads())
         return y
 
 
@@ -121,6 +145,8 @@ class PanelWeight:
     out_features: int
     in_features: int
     gemm: NativeGemm
+    #: bfloat16 panels multiplied on the AMX tiles (:meth:`NativeGemm.pack_bf16`).
+    amx: bool = False
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -156,15 +156,17 @@ def test_system_choice_is_checked() -> None:
 
 
 def test_bfloat16_weights_run_as_a_system_of_their_own(tiny_model_dir: Path) -> None:
-    """``--systems ours,ours-bf16w,base-bf16w``: our engine in alternating rounds, the second
-    and third with bfloat16 projection weights (they say so; the third from ``--base``), all
-    generating every requested token, the mode's A/B ratio beside the float32 one."""
+    """``--systems ours,ours-bf16w,base-bf16w,ours-bf16,base-bf16``: our engine in alternating
+    rounds, the others with bfloat16 projection weights (they say so; ``base-*`` from
+    ``--base``), the last two with a bfloat16 cache too, all generating every requested token,
+    the modes' A/B ratios beside the float32 one."""
     from worker.models.layers import onednn_available
 
     if not onednn_available():
         pytest.skip("this torch has no oneDNN linear")
     cmd = [sys.executable, "-m", "bench.throughput", "--preset", "smoke", "--workload", "mixed",
-           "--systems", "ours,ours-bf16w,base-bf16w", "--base", str(REPO), "--repeats", "2",
+           "--systems", "ours,ours-bf16w,base-bf16w,ours-bf16,base-bf16", "--base", str(REPO),
+           "--repeats", "2",
            "--model", str(tiny_model_dir)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -179,6 +181,12 @@ def test_bfloat16_weights_run_as_a_system_of_their_own(tiny_model_dir: Path) -> 
     assert len(body["paired_ratios"]["ours/ours-bf16w"]) == 2
     assert body["ratios"]["ours-bf16w/base-bf16w"] == round(
         bf16["output_tok_s"] / base["output_tok_s"], 2
+    )
+    mode, base_mode = body["systems"]["ours-bf16"], body["systems"]["base-bf16"]
+    assert mode["ok"] and base_mode["ok"] and base_mode["length_mismatches"] == 0
+    assert (mode["kv_cache_dtype"], base_mode["kv_cache_dtype"]) == ("bfloat16", "bfloat16")
+    assert body["ratios"]["ours-bf16/base-bf16"] == round(
+        mode["output_tok_s"] / base_mode["output_tok_s"], 2
     )
 
 

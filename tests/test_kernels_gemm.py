@@ -7,7 +7,9 @@ too), at the row
 counts an engine step has (1 row to a 2048-token prefill chunk, heights that leave every tile
 remainder), column counts that are not a multiple of a panel, with and without bias. Each test
 runs float32 panels and, where the build has AVX512-BF16 (``--weight-dtype bfloat16``'s
-``vdpbf16ps`` path), bfloat16 ones, against the float64 product of the rounded operands.
+``vdpbf16ps`` path), bfloat16 ones, and where the CPU also has AMX the same bfloat16 panels on
+its tiles (``ps_gemm_bf16_amx``: input widths in multiples of 32), against the float64 product
+of the rounded operands.
 """
 
 from __future__ import annotations
@@ -51,23 +53,32 @@ class Packing:
 
     gemm: native_gemm.NativeGemm
     dtype: torch.dtype
+    amx: bool = False
 
     def pack(self, w: torch.Tensor) -> native_gemm.PanelWeight:
-        bf16 = self.dtype == torch.bfloat16
-        return self.gemm.pack_bf16(w) if bf16 else self.gemm.pack(w)
+        if self.amx and w.shape[1] % native_gemm.AMX_K:
+            pytest.skip("the AMX path takes input widths in multiples of 32")
+        if self.dtype == torch.bfloat16:
+            packed = self.gemm.pack_bf16(w, amx=self.amx)
+            assert packed.amx == self.amx
+            return packed
+        return self.gemm.pack(w)
 
     def reference(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         return reference(x, w, b, self.dtype)
 
     def on(self, gemm: native_gemm.NativeGemm) -> Packing:
-        return Packing(gemm, self.dtype)
+        return Packing(gemm, self.dtype, self.amx)
 
 
-@pytest.fixture(params=["float32", "bfloat16"])
+@pytest.fixture(params=["float32", "bfloat16", "bfloat16-amx"])
 def packing(request: pytest.FixtureRequest, gemm: native_gemm.NativeGemm) -> Packing:
-    if request.param == "bfloat16" and not gemm.bf16:
+    if request.param != "float32" and not gemm.bf16:
         pytest.skip("this build has no bfloat16 path (AVX-512 with AVX512-BF16)")
-    return Packing(gemm, getattr(torch, request.param))
+    amx = request.param == "bfloat16-amx"
+    if amx and not gemm.amx:
+        pytest.skip("no AMX tiles here (CPU, kernel or compiler)")
+    return Packing(gemm, torch.float32 if request.param == "float32" else torch.bfloat16, amx)
 
 
 def tolerance(k: int) -> float:
@@ -76,7 +87,7 @@ def tolerance(k: int) -> float:
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 7, 8, 9, 13, 20, 33, 48, 97, 300])
-@pytest.mark.parametrize("out_in", [(16, 8), (40, 24), (1000, 100), (96, 1536)])
+@pytest.mark.parametrize("out_in", [(16, 8), (40, 24), (1000, 100), (50, 96), (96, 1536)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_gemm_matches_float64(
     packing: Packing, rows: int, out_in: tuple[int, int], with_bias: bool
@@ -120,8 +131,8 @@ def test_a_row_gives_the_same_bits_alone_or_in_a_batch(packing: Packing) -> None
     """Each output is one ordered sum over k: a row's result does not depend on its batch, the
     tile it lands in or the thread count (unlike blocked BLAS kernels)."""
     gen = torch.Generator().manual_seed(5)
-    w = packing.pack(torch.randn(300, 200, generator=gen))
-    x = torch.randn(37, 200, generator=gen)
+    w = packing.pack(torch.randn(300, 192, generator=gen))
+    x = torch.randn(37, 192, generator=gen)
     batch = w.matmul(x)
     threads = torch.get_num_threads()
     try:
@@ -139,6 +150,8 @@ def test_requests_for_the_next_block_change_no_value(
     """Decode-sized calls ask for each thread's next block of weight panels while the current
     one is multiplied (``PS_GEMM_NEXT``), also across row chunks (K 1536 splits 97 and 256 rows
     into several): the same bits as a build without the requests, for both thread counts."""
+    if packing.amx:
+        pytest.skip("the AMX path has no PS_GEMM_NEXT requests")
     plain = native_gemm.load(flags=[*gemm_flags(gemm), "-DPS_GEMM_NEXT=0"])
     assert plain is not None
     gen = torch.Generator().manual_seed(rows)
@@ -162,16 +175,16 @@ def gemm_flags(gemm: native_gemm.NativeGemm) -> list[str]:
 
 def test_strided_rows_leading_dims_and_empty_input(packing: Packing) -> None:
     gen = torch.Generator().manual_seed(9)
-    weight = torch.randn(24, 16, generator=gen)
+    weight = torch.randn(24, 32, generator=gen)
     w = packing.pack(weight)
-    wide = torch.randn(6, 40, generator=gen)
-    x = wide[:, 8:24]  # rows 40 floats apart
+    wide = torch.randn(6, 56, generator=gen)
+    x = wide[:, 8:40]  # rows 56 floats apart
     torch.testing.assert_close(w.matmul(x), packing.reference(x, weight, None), rtol=0, atol=1e-4)
-    x3 = torch.randn(2, 3, 16, generator=gen)
-    want = packing.reference(x3.reshape(6, 16), weight, None).reshape(2, 3, 24)
+    x3 = torch.randn(2, 3, 32, generator=gen)
+    want = packing.reference(x3.reshape(6, 32), weight, None).reshape(2, 3, 24)
     torch.testing.assert_close(w.matmul(x3), want, rtol=0, atol=1e-4)
-    assert w.matmul(torch.empty(0, 16)).shape == (0, 24)
-    assert w.shape == (24, 16)
+    assert w.matmul(torch.empty(0, 32)).shape == (0, 24)
+    assert w.shape == (24, 32)
 
 
 def test_bad_inputs_are_refused(packing: Packing) -> None:
@@ -199,6 +212,44 @@ def test_the_bfloat16_path_exists_where_the_cpu_has_avx512_bf16() -> None:
     assert narrow.bf16 is False
     with pytest.raises(ValueError, match="no bfloat16 path"):
         narrow.pack_bf16(torch.randn(8, 4))
+
+
+def test_the_amx_path_exists_where_the_cpu_has_amx_and_takes_widths_of_32() -> None:
+    """The machine's build multiplies on AMX tiles exactly where torch sees them (Linux grants
+    the tiles on request); by default a bfloat16 weight goes there when its input width is a
+    multiple of 32 and through ``vdpbf16ps`` otherwise; asking for AMX elsewhere says why."""
+    machine = native_gemm.load(flags=BUILDS["machine"])
+    assert machine is not None
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    if probe is not None and machine.bf16:
+        assert machine.amx == bool(probe())
+    if not machine.bf16:
+        pytest.skip("no bfloat16 path in this build")
+    assert machine.pack_bf16(torch.randn(8, 64)).amx == machine.amx
+    assert machine.pack_bf16(torch.randn(8, 48)).amx is False
+    assert machine.pack_bf16(torch.randn(8, 64), amx=False).amx is False
+    if machine.amx:
+        with pytest.raises(ValueError, match="multiples of 32"):
+            machine.pack_bf16(torch.randn(8, 48), amx=True)
+    else:
+        with pytest.raises(ValueError, match="no AMX"):
+            machine.pack_bf16(torch.randn(8, 64), amx=True)
+
+
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 32, 33, 47, 300])
+def test_amx_and_vdpbf16ps_paths_agree(gemm: native_gemm.NativeGemm, rows: int) -> None:
+    """The two bfloat16 paths multiply the same panels: their results differ only by the order
+    of float32 additions inside each tile step (row groups of 16 and 32 and their tails, a
+    last panel narrower than 32 columns, bias)."""
+    if not gemm.amx:
+        pytest.skip("no AMX tiles here (CPU, kernel or compiler)")
+    gen = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(70, 576, generator=gen), torch.randn(70, generator=gen)
+    x = torch.randn(rows, 576, generator=gen)
+    tiles, vdp = gemm.pack_bf16(weight, amx=True), gemm.pack_bf16(weight, amx=False)
+    assert torch.equal(tiles.panels, vdp.panels)
+    torch.testing.assert_close(tiles.matmul(x, bias), vdp.matmul(x, bias), rtol=0,
+                               atol=tolerance(576))  # fmt: skip
 
 
 def test_switch_selects_the_packing(monkeypatch: pytest.MonkeyPatch) -> None:

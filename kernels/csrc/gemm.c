@@ -357,3 +357,203 @@ void ps_gemm_bf16(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const ui
         (void)threads;
 }
 #endif
+
+/*
+ * bfloat16 weights through AMX tiles (TDPBF16PS), where the CPU and the kernel allow them:
+ * the same packed panels and the same y = x @ W^T (+ bias) as ps_gemm_bf16.
+ *
+ * Why: on a 2-core Intel Xeon with AMX, oneDNN's AMX kernels (what the mode used there) ran
+ * SmolLM2's decode-sized products over cold weights at 10-12 GB/s of weights against the
+ * machine's 22 GB/s read, and the vdpbf16ps path at ~200 GFLOP/s is compute-bound there. A
+ * tile product reads a 16-pair x 16-column block of a panel straight from the packed layout
+ * (two column halves of a 128-byte k-pair row, tileloadd with a 128-byte stride), so each
+ * thread still walks its contiguous run of panels front to back once per call; the stream is
+ * asked into L2 PS_AMX_PF bytes ahead.
+ *
+ * Tiles: tmm0-3 the sums of up to 32 rows x 32 columns (rows [0, 16) and [16, 32) of the row
+ * group, column halves [0, 16) and [16, 32)); tmm4/5 the row group's x (16 rows x 32 k);
+ * tmm6/7 the panel's two column halves (16 k pairs x 16 columns). K must be a multiple of 32
+ * (the caller falls back to ps_gemm_bf16 otherwise). Rows go in groups of 32; a last group of
+ * fewer rows runs under its own tile configuration (rows are a tile's shape, not a loop).
+ *
+ * Numerics: each output is the sum over k steps of 32 in order, each step one TDPBF16PS (its
+ * 16 pairs in the hardware's order; bfloat16 denormals read as zero): independent of M, of the
+ * rows sharing a call and of the thread count, as the other paths, though not bit-identical
+ * to ps_gemm_bf16 (a different order within each step).
+ */
+#if PS_GEMM_HAS_BF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define PS_GEMM_HAS_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define PS_GEMM_HAS_AMX 0
+#endif
+
+#if PS_GEMM_HAS_AMX
+#ifndef PS_AMX_PF
+#define PS_AMX_PF 4096 /* bytes of the panel stream asked ahead (into L2) */
+#endif
+#ifndef PS_AMX_X_BYTES
+#define PS_AMX_X_BYTES (512 * 1024) /* x rows per chunk: kept in L2 while the panels pass */
+#endif
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((aligned(64))) ps_amx_cfg;
+
+/* Linux gives a process the tile registers only once asked (arch_prctl XTILEDATA). */
+int ps_gemm_amx_available(void) {
+    static int state = -1;
+    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18) == 0;
+    return state;
+}
+
+/* tmm0/1/4: r0 rows; tmm2/3/5: r1 rows (0: unused); tmm6/7: 16 k pairs */
+static void ps_amx_configure(int r0, int r1) {
+    ps_amx_cfg c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    c.rows[0] = c.rows[1] = c.rows[4] = (uint8_t)r0;
+    c.colsb[0] = c.colsb[1] = c.colsb[4] = 64;
+    if (r1) {
+        c.rows[2] = c.rows[3] = c.rows[5] = (uint8_t)r1;
+        c.colsb[2] = c.colsb[3] = c.colsb[5] = 64;
+    }
+    c.rows[6] = c.rows[7] = 16;
+    c.colsb[6] = c.colsb[7] = 64;
+    _tile_loadconfig(&c);
+}
+
+/* x's rows in tile order: xp[g][s][r][0..32) = x[16 g + r][32 s .. 32 s + 32) in bfloat16, so
+ * every A tile is 1 KB in a row (tileloadd with a 64-byte stride, a sequential read) and each
+ * row's rounding is done once per call for both threads: rows [m0, m1), K / 32 steps. The
+ * rounding is vcvtne2ps2bf16's, to nearest even as Tensor.to(bfloat16), except that it reads
+ * float32 denormals as zero, which TDPBF16PS does with bfloat16 denormals anyway. */
+static void ps_amx_pack_x(const float *x, int64_t ldx, int64_t m0, int64_t m1, int64_t K,
+                          uint16_t *xp) {
+    const int64_t steps = K / 32;
+    for (int64_t m = m0; m < m1; ++m) {
+        const float *row = x + m * ldx;
+        uint16_t *dst = xp + ((m / 16) * steps * 16 + m % 16) * 32;
+        for (int64_t s = 0; s < steps; ++s) {
+            const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + 32 * s + 16),
+                                                   _mm512_loadu_ps(row + 32 * s));
+            _mm512_storeu_si512((void *)(dst + s * 512), (__m512i)v);
+        }
+    }
+}
+
+/* One row group (16 rows, or 32 with ``two``: tile blocks ``xa`` and ``xa + K / 32`` blocks)
+ * times one panel; ``pf``: where the stream's requests ahead start (NULL: none, the panel is
+ * already near). */
+static inline __attribute__((always_inline)) void ps_amx_group(
+    const uint16_t *xa, const uint16_t *wp, int64_t K, float *y, int64_t ldy, const int two,
+    const int rows, const float *bias, int64_t ncols, const char *pf, const char *pf_end) {
+    const uint16_t *xb = xa + K * 16; /* the second 16 rows' blocks (K / 32 of 512) */
+    _tile_zero(0);
+    _tile_zero(1);
+    if (two) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    for (int64_t k = 0; k < K; k += 32) {
+        const uint16_t *b = wp + k * 32; /* k pair k / 2: 32 columns x 2 values */
+        if (pf) { /* this step's 2 KB of panel, PS_AMX_PF bytes ahead */
+            const char *p = pf + k * 64;
+            for (int l = 0; l < 2048 && p + l < pf_end; l += 64) __builtin_prefetch(p + l, 0, 2);
+        }
+        _tile_loadd(4, xa + k * 16, 64);
+        _tile_loadd(6, b, 128);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(7, b + 32, 128);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+            _tile_loadd(5, xb + k * 16, 64);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    float tmp[32 * 32];
+    float *out = ncols == 32 ? y : tmp;
+    const int64_t ld = ncols == 32 ? ldy : 32;
+    _tile_stored(0, out, ld * 4);
+    _tile_stored(1, out + 16, ld * 4);
+    if (two) {
+        _tile_stored(2, out + 16 * ld, ld * 4);
+        _tile_stored(3, out + 16 * ld + 16, ld * 4);
+    }
+    if (out == tmp)
+        for (int i = 0; i < rows; ++i) memcpy(y + i * ldy, tmp + i * 32, (size_t)ncols * 4);
+    if (bias)
+        for (int i = 0; i < rows; ++i)
+            for (int64_t c = 0; c < ncols; ++c) y[i * ldy + c] += bias[c];
+}
+
+/* Rows [m0, m1) (m0 a multiple of 16) in groups of ``group`` rows (32, or the last group's
+ * 1-32) times panels [p0, p1), under the configuration for that group height. */
+static void ps_amx_pass(const uint16_t *xp, int64_t m0, int64_t m1, int64_t K,
+                        const uint16_t *wp, int64_t N, const float *bias, float *y, int64_t ldy,
+                        int64_t p0, int64_t p1, int64_t group) {
+    if (m1 <= m0) return;
+    const int r0 = group < 16 ? (int)group : 16, r1 = (int)group - r0;
+    ps_amx_configure(r0, r1);
+    const int64_t panel = K * 32; /* uint16 per panel */
+    const char *end = (const char *)(wp + p1 * panel);
+    for (int64_t p = p0; p < p1; ++p) {
+        const int64_t c0 = p * 32, ncols = N - c0 < 32 ? N - c0 : 32;
+        const uint16_t *w = wp + p * panel;
+        const float *b = bias ? bias + c0 : 0;
+        for (int64_t m = m0; m < m1; m += group) {
+            const char *pf = m == m0 ? (const char *)w + PS_AMX_PF : 0;
+            const uint16_t *xa = xp + m * K; /* (m / 16) groups of 16 K values a row */
+            if (r1)
+                ps_amx_group(xa, w, K, y + m * ldy + c0, ldy, 1, (int)group, b, ncols, pf, end);
+            else
+                ps_amx_group(xa, w, K, y + m * ldy + c0, ldy, 0, (int)group, b, ncols, pf, end);
+        }
+    }
+}
+
+/* x: [M, K] float32 rows ldx floats apart (K a multiple of 32), rounded to bfloat16 here into
+ * ``xp`` (scratch of ceil(M / 16) * 16 * K uint16); wp, N, bias, y, ldy as in ps_gemm_bf16. */
+void ps_gemm_bf16_amx(const float *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *wp,
+                      int64_t N, const float *bias, float *y, int64_t ldy, uint16_t *xp,
+                      int32_t threads) {
+    const int64_t panels = (N + 31) / 32;
+    if (M <= 0 || panels <= 0) return;
+    if (threads < 1) threads = 1;
+    if (threads > panels) threads = (int32_t)panels;
+    int64_t chunk = PS_AMX_X_BYTES / (K * 2) / 32 * 32;
+    if (chunk < 32) chunk = 32;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+#ifdef _OPENMP
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+        const int64_t t = 0, nt = 1;
+#endif
+        const int64_t groups = (M + 15) / 16;
+        const int64_t g0 = groups * t / nt, g1 = groups * (t + 1) / nt;
+        ps_amx_pack_x(x, ldx, g0 * 16, g1 * 16 < M ? g1 * 16 : M, K, xp);
+#pragma omp barrier
+        const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
+        for (int64_t c = 0; c < M; c += chunk) {
+            const int64_t m1 = M - c < chunk ? M : c + chunk;
+            const int64_t full = c + (m1 - c) / 32 * 32;
+            ps_amx_pass(xp, c, full, K, wp, N, bias, y, ldy, p0, p1, 32);
+            ps_amx_pass(xp, full, m1, K, wp, N, bias, y, ldy, p0, p1, m1 - full);
+        }
+        _tile_release();
+    }
+}
+#else
+int ps_gemm_amx_available(void) { return 0; }
+void ps_gemm_bf16_amx(const float *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *wp,
+                      int64_t N, const float *bias, float *y, int64_t ldy, uint16_t *xp,
+                      int32_t threads) {
+    (void)x, (void)M, (void)K, (void)ldx, (void)wp, (void)N, (void)bias, (void)y, (void)ldy,
+        (void)xp, (void)threads;
+}
+#endif

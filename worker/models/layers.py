@@ -49,17 +49,23 @@ def _bucket_rows(m: int) -> int:
 
 
 def bf16_native() -> bool:
-    """Whether bfloat16 weights go to our C GEMM (``vdpbf16ps``) rather than oneDNN: where its
-    bfloat16 path builds (AVX512-BF16), except on CPUs with AMX, where oneDNN's AMX kernels
-    (measured there, 2-6x float32) stay; ``PAGEDSERVE_BF16_GEMM`` forces one (``native`` falls
-    back to oneDNN, logged once, where the C path is missing)."""
+    """Whether bfloat16 weights go to our C GEMM rather than oneDNN: where its bfloat16 path
+    builds (AVX512-BF16), on its AMX tiles where the CPU has AMX; on a CPU with AMX whose build
+    of the C GEMM lacks the tile path, oneDNN's AMX kernels stay. ``PAGEDSERVE_BF16_GEMM``
+    forces one (``native`` falls back to oneDNN, logged once, where the C path is missing).
+
+    Intel Xeon with AMX, SmolLM2's 30 layers of cold bfloat16 weights (``python -m
+    bench.gemm_libs --bf16``): 16 / 32 / 48 / 64 rows in 10.7 / 12.6 / 17.1 / 17.8 ms against
+    oneDNN's 17.7 / 20.1 / 22.5 / 25.8; 2048 rows at 0.83-0.99x oneDNN's rate (bench/README.md)."""
     choice = native.choice(native.BF16_GEMM_ENV, ("auto", "native", "onednn"))
     lib = native_gemm.for_packing() if choice != "onednn" else None
     has_native = lib is not None and lib.bf16
     if choice == "native" and not has_native and not _WARNED:
         _WARNED.append(True)  # once, not for every weight packed
         log.warning("%s=native: no bfloat16 C GEMM here; oneDNN instead", native.BF16_GEMM_ENV)
-    return has_native and not (choice == "auto" and _has_amx())
+    if choice == "auto" and has_native and _has_amx():
+        return lib is not None and lib.amx
+    return has_native
 
 
 _WARNED: list[bool] = []
