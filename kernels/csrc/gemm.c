@@ -368,13 +368,16 @@ void ps_gemm_bf16(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const ui
  * tile product reads a 16-pair x 16-column block of a panel straight from the packed layout
  * (two column halves of a 128-byte k-pair row, tileloadd with a 128-byte stride), so each
  * thread still walks its contiguous run of panels front to back once per call; the stream is
- * asked into L2 PS_AMX_PF bytes ahead.
+ * asked into L2 ahead of the tiles (ps_amx_pass).
  *
  * Tiles: tmm0-3 the sums of up to 32 rows x 32 columns (rows [0, 16) and [16, 32) of the row
  * group, column halves [0, 16) and [16, 32)); tmm4/5 the row group's x (16 rows x 32 k);
  * tmm6/7 the panel's two column halves (16 k pairs x 16 columns). K must be a multiple of 32
- * (the caller falls back to ps_gemm_bf16 otherwise). Rows go in groups of 32; a last group of
- * fewer rows runs under its own tile configuration (rows are a tile's shape, not a loop).
+ * (the caller falls back to ps_gemm_bf16 otherwise). Rows go in groups of 32, all under one
+ * configuration (every tile 16 rows): a last group of fewer rows multiplies x's zero rows
+ * past M too (tile products are cheap beside the weights' stream) and stores only its own. A
+ * tail group of its own configuration ran as a second pass over the weights: 48 rows took
+ * longer than 64.
  *
  * Numerics: each output is the sum over k steps of 32 in order, each step one TDPBF16PS (its
  * 16 pairs in the hardware's order; bfloat16 denormals read as zero): independent of M, of the
@@ -410,34 +413,36 @@ int ps_gemm_amx_available(void) {
     return state;
 }
 
-/* tmm0/1/4: r0 rows; tmm2/3/5: r1 rows (0: unused); tmm6/7: 16 k pairs */
-static void ps_amx_configure(int r0, int r1) {
+/* every tile 16 rows of 64 bytes: sums of 16 x 16 floats, x's 16 x 32 and the panel's 16 k
+ * pairs x 16 columns (bfloat16 pairs) */
+static void ps_amx_configure(void) {
     ps_amx_cfg c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    c.rows[0] = c.rows[1] = c.rows[4] = (uint8_t)r0;
-    c.colsb[0] = c.colsb[1] = c.colsb[4] = 64;
-    if (r1) {
-        c.rows[2] = c.rows[3] = c.rows[5] = (uint8_t)r1;
-        c.colsb[2] = c.colsb[3] = c.colsb[5] = 64;
+    for (int i = 0; i < 8; ++i) {
+        c.rows[i] = 16;
+        c.colsb[i] = 64;
     }
-    c.rows[6] = c.rows[7] = 16;
-    c.colsb[6] = c.colsb[7] = 64;
     _tile_loadconfig(&c);
 }
 
 /* x's rows in tile order: xp[g][s][r][0..32) = x[16 g + r][32 s .. 32 s + 32) in bfloat16, so
  * every A tile is 1 KB in a row (tileloadd with a 64-byte stride, a sequential read) and each
- * row's rounding is done once per call for both threads: rows [m0, m1), K / 32 steps. The
+ * row's rounding is done once per call for both threads: rows [m0, m1), K / 32 steps; rows
+ * from M to the next multiple of 16 are zeros (every tile has 16 rows: one configuration). The
  * rounding is vcvtne2ps2bf16's, to nearest even as Tensor.to(bfloat16), except that it reads
  * float32 denormals as zero, which TDPBF16PS does with bfloat16 denormals anyway. */
-static void ps_amx_pack_x(const float *x, int64_t ldx, int64_t m0, int64_t m1, int64_t K,
-                          uint16_t *xp) {
+static void ps_amx_pack_x(const float *x, int64_t ldx, int64_t m0, int64_t m1, int64_t M,
+                          int64_t K, uint16_t *xp) {
     const int64_t steps = K / 32;
     for (int64_t m = m0; m < m1; ++m) {
         const float *row = x + m * ldx;
         uint16_t *dst = xp + ((m / 16) * steps * 16 + m % 16) * 32;
         for (int64_t s = 0; s < steps; ++s) {
+            if (m >= M) { /* a row of the last tile past M: zeros, its sums never stored */
+                memset(dst + s * 512, 0, 64);
+                continue;
+            }
             const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + 32 * s + 16),
                                                    _mm512_loadu_ps(row + 32 * s));
             _mm512_storeu_si512((void *)(dst + s * 512), (__m512i)v);
@@ -450,7 +455,8 @@ static void ps_amx_pack_x(const float *x, int64_t ldx, int64_t m0, int64_t m1, i
  * already near). */
 static inline __attribute__((always_inline)) void ps_amx_group(
     const uint16_t *xa, const uint16_t *wp, int64_t K, float *y, int64_t ldy, const int two,
-    const int rows, const float *bias, int64_t ncols, const char *pf, const char *pf_end) {
+    const int rows, const float *bias, int64_t ncols, const char *pf, int64_t pf_bytes,
+    const char *pf_end) {
     const uint16_t *xb = xa + K * 16; /* the second 16 rows' blocks (K / 32 of 512) */
     _tile_zero(0);
     _tile_zero(1);
@@ -460,9 +466,10 @@ static inline __attribute__((always_inline)) void ps_amx_group(
     }
     for (int64_t k = 0; k < K; k += 32) {
         const uint16_t *b = wp + k * 32; /* k pair k / 2: 32 columns x 2 values */
-        if (pf) { /* this step's 2 KB of panel, PS_AMX_PF bytes ahead */
-            const char *p = pf + k * 64;
-            for (int l = 0; l < 2048 && p + l < pf_end; l += 64) __builtin_prefetch(p + l, 0, 2);
+        { /* this step's share of the stream ahead */
+            const char *p = pf + (k / 32) * pf_bytes;
+            for (int64_t l = 0; l < pf_bytes && p + l < pf_end; l += 64)
+                __builtin_prefetch(p + l, 0, 2);
         }
         _tile_loadd(4, xa + k * 16, 64);
         _tile_loadd(6, b, 128);
@@ -476,42 +483,48 @@ static inline __attribute__((always_inline)) void ps_amx_group(
         }
     }
     float tmp[32 * 32];
-    float *out = ncols == 32 ? y : tmp;
-    const int64_t ld = ncols == 32 ? ldy : 32;
+    const int direct = ncols == 32 && rows == (two ? 32 : 16); /* else only some are stored */
+    float *out = direct ? y : tmp;
+    const int64_t ld = direct ? ldy : 32;
     _tile_stored(0, out, ld * 4);
     _tile_stored(1, out + 16, ld * 4);
     if (two) {
         _tile_stored(2, out + 16 * ld, ld * 4);
         _tile_stored(3, out + 16 * ld + 16, ld * 4);
     }
-    if (out == tmp)
+    if (!direct)
         for (int i = 0; i < rows; ++i) memcpy(y + i * ldy, tmp + i * 32, (size_t)ncols * 4);
     if (bias)
         for (int i = 0; i < rows; ++i)
             for (int64_t c = 0; c < ncols; ++c) y[i * ldy + c] += bias[c];
 }
 
-/* Rows [m0, m1) (m0 a multiple of 16) in groups of ``group`` rows (32, or the last group's
- * 1-32) times panels [p0, p1), under the configuration for that group height. */
+/* Rows [m0, m1) (m0 a multiple of 32) in groups of 32 (the last one 1-32: its tiles run
+ * whole on x's zero rows, and only its rows are stored) times panels [p0, p1). */
 static void ps_amx_pass(const uint16_t *xp, int64_t m0, int64_t m1, int64_t K,
                         const uint16_t *wp, int64_t N, const float *bias, float *y, int64_t ldy,
-                        int64_t p0, int64_t p1, int64_t group) {
-    if (m1 <= m0) return;
-    const int r0 = group < 16 ? (int)group : 16, r1 = (int)group - r0;
-    ps_amx_configure(r0, r1);
+                        int64_t p0, int64_t p1) {
     const int64_t panel = K * 32; /* uint16 per panel */
     const char *end = (const char *)(wp + p1 * panel);
+    /* the stream ahead: PS_AMX_PF bytes past each k step's own (one row group), or, with
+     * several row groups per panel, the next panel spread over all of this one's groups (the
+     * later groups find the panel in L1 and would otherwise leave the memory idle) */
+    const int64_t groups = (m1 - m0 + 31) / 32, steps = K / 32;
+    const int64_t share = groups == 1 ? 2048 : ((2048 + groups - 1) / groups + 63) / 64 * 64;
     for (int64_t p = p0; p < p1; ++p) {
         const int64_t c0 = p * 32, ncols = N - c0 < 32 ? N - c0 : 32;
         const uint16_t *w = wp + p * panel;
         const float *b = bias ? bias + c0 : 0;
-        for (int64_t m = m0; m < m1; m += group) {
-            const char *pf = m == m0 ? (const char *)w + PS_AMX_PF : 0;
+        for (int64_t m = m0, g = 0; m < m1; m += 32, ++g) {
+            const char *pf = groups == 1 ? (const char *)w + PS_AMX_PF
+                                         : (const char *)(w + panel) + g * steps * share;
             const uint16_t *xa = xp + m * K; /* (m / 16) groups of 16 K values a row */
-            if (r1)
-                ps_amx_group(xa, w, K, y + m * ldy + c0, ldy, 1, (int)group, b, ncols, pf, end);
+            const int rows = m1 - m < 32 ? (int)(m1 - m) : 32;
+            float *yt = y + m * ldy + c0;
+            if (rows > 16)
+                ps_amx_group(xa, w, K, yt, ldy, 1, rows, b, ncols, pf, share, end);
             else
-                ps_amx_group(xa, w, K, y + m * ldy + c0, ldy, 0, (int)group, b, ncols, pf, end);
+                ps_amx_group(xa, w, K, yt, ldy, 0, rows, b, ncols, pf, share, end);
         }
     }
 }
@@ -536,15 +549,12 @@ void ps_gemm_bf16_amx(const float *x, int64_t M, int64_t K, int64_t ldx, const u
 #endif
         const int64_t groups = (M + 15) / 16;
         const int64_t g0 = groups * t / nt, g1 = groups * (t + 1) / nt;
-        ps_amx_pack_x(x, ldx, g0 * 16, g1 * 16 < M ? g1 * 16 : M, K, xp);
+        ps_amx_pack_x(x, ldx, g0 * 16, g1 * 16, M, K, xp);
 #pragma omp barrier
         const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
-        for (int64_t c = 0; c < M; c += chunk) {
-            const int64_t m1 = M - c < chunk ? M : c + chunk;
-            const int64_t full = c + (m1 - c) / 32 * 32;
-            ps_amx_pass(xp, c, full, K, wp, N, bias, y, ldy, p0, p1, 32);
-            ps_amx_pass(xp, full, m1, K, wp, N, bias, y, ldy, p0, p1, m1 - full);
-        }
+        ps_amx_configure();
+        for (int64_t c = 0; c < M; c += chunk)
+            ps_amx_pass(xp, c, M - c < chunk ? M : c + chunk, K, wp, N, bias, y, ldy, p0, p1);
         _tile_release();
     }
 }
