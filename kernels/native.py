@@ -43,8 +43,9 @@ DISABLE_ENV = "PAGEDSERVE_NATIVE_KERNELS"
 FUSED_ENV = "PAGEDSERVE_FUSED_OPS"
 #: The projection GEMM of ``kernels/gemm.py``: auto / 1 / 0 (also off with ``DISABLE_ENV``).
 GEMM_ENV = "PAGEDSERVE_NATIVE_GEMM"
-#: ``--weight-dtype bfloat16``'s products: auto / native (the C GEMM's AVX512-BF16 path) /
-#: onednn (read by :func:`worker.models.layers.bf16_native` through :func:`choice`).
+#: ``--weight-dtype bfloat16``'s products: auto / native (the C GEMM's bfloat16 path: AMX
+#: tiles where the CPU has them, else AVX512-BF16) / onednn (read by
+#: :func:`worker.models.layers.bf16_native` through :func:`choice`).
 BF16_GEMM_ENV = "PAGEDSERVE_BF16_GEMM"
 CACHE_ENV = "PAGEDSERVE_KERNEL_CACHE"
 #: The cache dtypes the kernels read, the flags that build each library and its functions'

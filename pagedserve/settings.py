@@ -134,8 +134,8 @@ NATIVE_GEMM = Setting(
 BF16_GEMM = Setting(
     "PAGEDSERVE_BF16_GEMM",
     "auto",
-    "--weight-dtype bfloat16 products: auto (C GEMM with AVX512-BF16, oneDNN with AMX), "
-    "native or onednn",
+    "--weight-dtype bfloat16 products: auto (the C GEMM: AMX tiles or AVX512-BF16; else "
+    "oneDNN), native or onednn",
 )
 TILED_PREFILL = Setting(
     "PAGEDSERVE_TILED_PREFILL",

@@ -84,11 +84,12 @@ class Bf16Weight:
     float32 (the bias, if any, added in float32). Everything else (norms, rope, attention,
     sampling; the KV cache unless ``--kv-cache-dtype bfloat16``) stays float32.
 
-    Why: on CPUs with AMX, oneDNN's bfloat16 matmul (``brg_matmul:avx10_1_512_amx``) ran
-    SmolLM2's projections 4-6x faster than any float32 path at prefill sizes and 2-3x at decode
-    sizes; on CPUs with AVX512-BF16 and no AMX (Zen 4) the C GEMM's ``vdpbf16ps`` path streams
-    the decode steps' weights at half float32's bytes (bench/README.md). An explicit option
-    only: outputs are no longer token-for-token those of float32 ``transformers``."""
+    Why: on CPUs with AMX, bfloat16 tile products (oneDNN's ``brg_matmul``, since the thirtieth
+    session our C GEMM's own, ``ps_gemm_bf16_amx``) ran SmolLM2's projections 4-6x faster than
+    any float32 path at prefill sizes and 2-3x at decode sizes; on CPUs with AVX512-BF16 and no
+    AMX (Zen 4) the C GEMM's ``vdpbf16ps`` path streams the decode steps' weights at half
+    float32's bytes (bench/README.md). An explicit option only: outputs are no longer
+    token-for-token those of float32 ``transformers``."""
 
     packed: torch.Tensor | None = None
     panels: PanelWeight | None = None
