@@ -89,6 +89,7 @@ def install_timers() -> None:
     import torch.nn.functional as F
 
     from kernels import torch_backend
+    from kernels.fused import FusedOps
     from kernels.native import NativeDecode
     from kernels.torch_backend import TorchBackend
     from scheduler.scheduler import Scheduler
@@ -124,6 +125,10 @@ def install_timers() -> None:
     layers.linear = timer("linear", layers.linear, record_linear)
     decoder.linear = timer("linear", decoder.linear, record_linear)
     patch(F, "linear", "F.linear")
+    # the fused C layer ops (kernels/fused.py): what the layers do besides products and attention
+    patch(FusedOps, "silu_mul", "fused.silu_mul")
+    patch(FusedOps, "add_rms_norm", "fused.add_rms_norm")
+    patch(FusedOps, "rope_kv", "fused.rope_kv")
 
 
 #: ``--workload``: the builders of bench.throughput's workloads (same prompts, seed 0).

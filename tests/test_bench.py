@@ -236,7 +236,7 @@ def test_the_bfloat16_kv_cache_runs_as_systems_of_its_own(tiny_model_dir: Path) 
 def test_profile_engine_reports_the_bfloat16_mode_by_phase(tiny_model_dir: Path) -> None:
     """``bench.profile_engine --weight-dtype bfloat16 --kv-cache-dtype bfloat16``: the phases'
     shares and the projections' FLOPs by row count, counted from the bfloat16 weights' shapes as
-    from float32 ones; the decode rows in the bfloat16 cache's C kernel."""
+    from float32 ones; the decode rows in the bfloat16 cache's C kernel; the fused layer ops."""
     cmd = [sys.executable, "-m", "bench.profile_engine", "--model", str(tiny_model_dir),
            "--requests", "4", "--weight-dtype", "bfloat16",
            "--kv-cache-dtype", "bfloat16"]  # fmt: skip
@@ -253,6 +253,11 @@ def test_profile_engine_reports_the_bfloat16_mode_by_phase(tiny_model_dir: Path)
 
     if native.load(torch.bfloat16) is not None:
         assert body["phases"]["attn.native_decode"]["calls"] > 0
+    from kernels import fused
+
+    if fused.load() is not None:  # the layers' fused C ops, timed each
+        for op in ("fused.silu_mul", "fused.add_rms_norm", "fused.rope_kv"):
+            assert body["phases"][op]["calls"] > 0
 
 
 def test_a_gpu_run_leaves_vllm_cpu_out() -> None:
