@@ -294,21 +294,34 @@ static void ps_gemm_panels(const float *x, int64_t M, int64_t K, int64_t ldx, co
     }
 }
 
+/* Threads for ``panels`` panels: at least 1, at most one per panel. */
+static inline int32_t ps_gemm_team_size(int32_t threads, int64_t panels) {
+    if (threads < 1) threads = 1;
+    return threads > panels ? (int32_t)panels : threads;
+}
+
+/* This thread's index in its OpenMP team and the team's size (0 and 1 without OpenMP). */
+static inline void ps_gemm_member(int64_t *t, int64_t *nt) {
+#ifdef _OPENMP
+    *t = omp_get_thread_num();
+    *nt = omp_get_num_threads();
+#else
+    *t = 0;
+    *nt = 1;
+#endif
+}
+
 /* Each thread takes a contiguous run of panels (the weights are read once in all). */
 static void ps_gemm_threads(const float *x, int64_t M, int64_t K, int64_t ldx, const float *wp,
                             int64_t N, const float *bias, float *y, int64_t ldy, int32_t threads,
                             int bf16) {
     const int64_t panels = (N + PS_GEMM_NR - 1) / PS_GEMM_NR;
     if (M <= 0 || panels <= 0) return;
-    if (threads < 1) threads = 1;
-    if (threads > panels) threads = (int32_t)panels;
+    threads = ps_gemm_team_size(threads, panels);
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-#ifdef _OPENMP
-        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-        const int64_t t = 0, nt = 1;
-#endif
+        int64_t t, nt;
+        ps_gemm_member(&t, &nt);
         const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
         ps_gemm_panels(x, M, K, ldx, wp, N, bias, y, ldy, p0, p1, bf16);
     }
@@ -536,17 +549,13 @@ void ps_gemm_bf16_amx(const float *x, int64_t M, int64_t K, int64_t ldx, const u
                       int32_t threads) {
     const int64_t panels = (N + 31) / 32;
     if (M <= 0 || panels <= 0) return;
-    if (threads < 1) threads = 1;
-    if (threads > panels) threads = (int32_t)panels;
+    threads = ps_gemm_team_size(threads, panels);
     int64_t chunk = PS_AMX_X_BYTES / (K * 2) / 32 * 32;
     if (chunk < 32) chunk = 32;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-#ifdef _OPENMP
-        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-        const int64_t t = 0, nt = 1;
-#endif
+        int64_t t, nt;
+        ps_gemm_member(&t, &nt);
         const int64_t groups = (M + 15) / 16;
         const int64_t g0 = groups * t / nt, g1 = groups * (t + 1) / nt;
         ps_amx_pack_x(x, ldx, g0 * 16, g1 * 16, M, K, xp);
