@@ -17,7 +17,7 @@ Where the CPU has AVX512-BF16, the same library multiplies bfloat16 weights too
 decode-sized products ran 1.27-1.38x oneDNN's bfloat16 ones over cold weights, prefill-sized
 ones within 5% (bench/README.md, a twenty-eighth session). Where the CPU also has AMX, the same
 panels multiply on its tiles (``ps_gemm_bf16_amx``): on an Intel Xeon decode-sized products
-1.6-1.8x oneDNN's AMX kernels over cold weights, 2048-row ones at 0.9-0.97x (a thirtieth
+1.5-1.7x oneDNN's AMX kernels over cold weights, 2048-row ones at 0.93-0.98x (a thirtieth
 session).
 """
 

@@ -55,8 +55,9 @@ def bf16_native() -> bool:
     forces one (``native`` falls back to oneDNN, logged once, where the C path is missing).
 
     Intel Xeon with AMX, SmolLM2's 30 layers of cold bfloat16 weights (``python -m
-    bench.gemm_libs --bf16``): 16 / 32 / 48 / 64 rows in 10.7 / 12.6 / 17.1 / 17.8 ms against
-    oneDNN's 17.7 / 20.1 / 22.5 / 25.8; 2048 rows at 0.83-0.99x oneDNN's rate (bench/README.md)."""
+    bench.gemm_libs --bf16``): 16 / 48 / 64 rows in 10.8 / 15.3 / 15.9 ms against oneDNN's 17.9
+    / 23.5 / 25.6; 2048-row products at 0.93-0.98x oneDNN's rate; the whole bfloat16 mode
+    1.10-1.19x end to end (bench/README.md, a thirtieth session)."""
     choice = native.choice(native.BF16_GEMM_ENV, ("auto", "native", "onednn"))
     lib = native_gemm.for_packing() if choice != "onednn" else None
     has_native = lib is not None and lib.bf16
