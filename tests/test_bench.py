@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -530,6 +531,17 @@ if __name__ == "__main__":
 """
 
 
+def _wait_for_exec(pid: int, timeout_s: float = 30.0) -> None:
+    """Until ``pid`` runs multiprocessing's spawn entry point: ``Process.start()`` returns right
+    after the fork, and until the exec the child's command line is still its parent's (a
+    loaded 2-core host once read it in that window). A worker's engine process has long been
+    running by the time ``bench.service`` looks for it."""
+    deadline = time.monotonic() + timeout_s
+    while b"spawn_main" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+        assert time.monotonic() < deadline, f"process {pid} never exec'd spawn_main"
+        time.sleep(0.01)
+
+
 def test_service_bench_finds_and_pins_the_engine_processes_thread(tmp_path: Path) -> None:
     """``bench.service`` pins each system's stepping thread for a round: a worker's own main
     thread, or under ``--engine-process`` its spawned child's (not the resource tracker); a
@@ -543,6 +555,7 @@ def test_service_bench_finds_and_pins_the_engine_processes_thread(tmp_path: Path
     try:
         assert parent.stdout is not None
         child = int(parent.stdout.readline())
+        _wait_for_exec(child)
         assert service.engine_thread(parent.pid) == child
         assert service.engine_thread(child) == child  # no spawned child: its own main thread
         assert {parent.pid, child} <= set(service.descendants(parent.pid))
