@@ -304,32 +304,40 @@ def test_bfloat16_weights_pack_every_projection_and_keep_float32_around_them(
 def test_a_bfloat16_weight_multiplies_like_its_rounded_float32_copy(path: str) -> None:
     """:class:`Bf16Weight` through oneDNN or our C GEMM: any row count, leading dimensions, the
     bias added in float32; the product is that of the bfloat16-rounded weight and input, to
-    bfloat16's output rounding. An odd input width (no k pairs) goes to oneDNN either way."""
+    bfloat16's output rounding. An odd input width (no k pairs) goes to oneDNN either way, and
+    so does, where the C GEMM has the AMX path, a width off its 32-wide steps."""
+    from kernels import gemm as native_gemm
     from worker.models.layers import Bf16Weight, linear, onednn_available
 
     _bf16_path_or_skip(path)
     gen = torch.Generator().manual_seed(0)
-    weight, bias = torch.randn(24, 16, generator=gen), torch.randn(24, generator=gen)
+    weight, bias = torch.randn(24, 32, generator=gen), torch.randn(24, generator=gen)
     packed = Bf16Weight.pack(weight, use_native=path == "native")
     assert isinstance(packed, Bf16Weight)
     assert (packed.panels is not None, packed.packed is not None) == (
         path == "native",
         path == "onednn",
     )
-    assert packed.shape == (24, 16)
+    assert packed.shape == (24, 32)
     rounded = weight.to(torch.bfloat16).float()
     for rows in (0, 1, 5, 130):
-        x = torch.randn(rows, 16, generator=gen)
+        x = torch.randn(rows, 32, generator=gen)
         out = linear(x, packed, bias)
         assert out.shape == (rows, 24) and out.dtype == torch.float32
         want = torch.nn.functional.linear(x.to(torch.bfloat16).float(), rounded, bias)
         torch.testing.assert_close(out, want, rtol=1e-2, atol=1e-2)
-    x3 = torch.randn(2, 3, 16, generator=gen)
+    x3 = torch.randn(2, 3, 32, generator=gen)
     assert linear(x3, packed).shape == (2, 3, 24)
     if onednn_available():
         odd = Bf16Weight.pack(torch.randn(8, 5, generator=gen), use_native=path == "native")
         assert odd is not None and odd.panels is None and odd.packed is not None
         assert odd.shape == (8, 5)
+        lib = native_gemm.load()
+        off_tiles = Bf16Weight.pack(torch.randn(8, 16, generator=gen), use_native=path == "native")
+        tiles = path == "native" and lib is not None and lib.amx
+        assert off_tiles is not None and (off_tiles.packed is not None) == (
+            path == "onednn" or tiles
+        )
 
 
 def test_the_bfloat16_products_path_is_chosen_per_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
