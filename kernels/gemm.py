@@ -64,6 +64,10 @@ class NativeGemm:
         #: weights packed by :meth:`pack_bf16` with ``in`` a multiple of 32 then multiply on it.
         self.amx = self.bf16 and bool(lib.ps_gemm_amx_available())
 
+    def tiles_take(self, in_features: int) -> bool:
+        """Whether bfloat16 weights of this input width multiply on the AMX tiles here."""
+        return self.amx and in_features % AMX_K == 0
+
     def pack(self, weight: torch.Tensor) -> PanelWeight:
         """``weight`` [out, in] (float32, CPU) as panels ``[ceil(out / NR), in, NR]``."""
         if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
@@ -91,10 +95,10 @@ class NativeGemm:
         if k % 2:
             raise ValueError("pack_bf16 needs an even number of input features")
         if amx is None:
-            amx = self.amx and k % AMX_K == 0
+            amx = self.tiles_take(k)
         elif amx and not self.amx:
             raise ValueError("this build or CPU has no AMX tile path")
-        elif amx and k % AMX_K:
+        elif amx and not self.tiles_take(k):
             raise ValueError(f"the AMX path takes input features in multiples of {AMX_K}")
         nr = self.panel_width
         padded = -(-n // nr) * nr

@@ -225,6 +225,7 @@ def test_the_amx_path_exists_where_the_cpu_has_amx_and_takes_widths_of_32() -> N
         assert machine.amx == bool(probe())
     if not machine.bf16:
         pytest.skip("no bfloat16 path in this build")
+    assert machine.tiles_take(64) == machine.amx and not machine.tiles_take(48)
     assert machine.pack_bf16(torch.randn(8, 64)).amx == machine.amx
     assert machine.pack_bf16(torch.randn(8, 48)).amx is False
     assert machine.pack_bf16(torch.randn(8, 64), amx=False).amx is False

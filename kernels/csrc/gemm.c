@@ -449,13 +449,13 @@ static void ps_amx_pack_x(const float *x, int64_t ldx, int64_t m0, int64_t m1, i
                           int64_t K, uint16_t *xp) {
     const int64_t steps = K / 32;
     for (int64_t m = m0; m < m1; ++m) {
-        const float *row = x + m * ldx;
         uint16_t *dst = xp + ((m / 16) * steps * 16 + m % 16) * 32;
+        if (m >= M) { /* a row of the last tile past M: zeros, its sums never stored */
+            for (int64_t s = 0; s < steps; ++s) memset(dst + s * 512, 0, 64);
+            continue;
+        }
+        const float *row = x + m * ldx;
         for (int64_t s = 0; s < steps; ++s) {
-            if (m >= M) { /* a row of the last tile past M: zeros, its sums never stored */
-                memset(dst + s * 512, 0, 64);
-                continue;
-            }
             const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + 32 * s + 16),
                                                    _mm512_loadu_ps(row + 32 * s));
             _mm512_storeu_si512((void *)(dst + s * 512), (__m512i)v);
@@ -463,9 +463,10 @@ static void ps_amx_pack_x(const float *x, int64_t ldx, int64_t m0, int64_t m1, i
     }
 }
 
-/* One row group (16 rows, or 32 with ``two``: tile blocks ``xa`` and ``xa + K / 32`` blocks)
- * times one panel; ``pf``: where the stream's requests ahead start (NULL: none, the panel is
- * already near). */
+/* One row group (16 rows, or 32 with ``two``: x's tile blocks from ``xa``, the second 16 rows'
+ * K / 32 blocks after the first's) times one panel. Each k step also asks for ``pf_bytes`` of
+ * the weight stream into L2, from ``pf`` on (ps_amx_pass says how far ahead), never past
+ * ``pf_end``. */
 static inline __attribute__((always_inline)) void ps_amx_group(
     const uint16_t *xa, const uint16_t *wp, int64_t K, float *y, int64_t ldy, const int two,
     const int rows, const float *bias, int64_t ncols, const char *pf, int64_t pf_bytes,

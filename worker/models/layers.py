@@ -104,7 +104,7 @@ class Bf16Weight:
         use_native = bf16_native() if use_native is None else use_native
         lib = native_gemm.load() if use_native else None
         width = weight.shape[1]
-        off_tiles = lib is not None and lib.amx and width % native_gemm.AMX_K != 0
+        off_tiles = lib is not None and lib.amx and not lib.tiles_take(width)
         if lib is not None and lib.bf16 and width % 2 == 0 and not off_tiles:
             return cls(panels=lib.pack_bf16(weight))
         packed = pack_for_onednn(weight.detach().to(torch.bfloat16))
