@@ -21,15 +21,13 @@ whether ours and the control give outputs bit-identical to the base's.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from dataclasses import dataclass
-from pathlib import Path
+from functools import partial
 
 import torch
 
-from bench.common import emit
-from kernels import native
+from bench.common import ab_builds, ab_rounds, add_ab_arguments, emit
 from kernels.native import NativeDecode, PrefillChunks
 from kernels.testing import make_metadata
 
@@ -125,23 +123,9 @@ def run_once(kernel: NativeDecode, case: Case, repeats: int) -> tuple[float, tor
 
 
 def compare(kernels: dict[str, NativeDecode], case: Case, rounds: int) -> dict[str, object]:
-    """Alternating rounds (the order rotated each round); medians and ratios against base."""
-    times: dict[str, list[float]] = {name: [] for name in kernels}
-    outputs: dict[str, torch.Tensor] = {}
-    names = list(kernels)
-    for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            seconds, outputs[name] = run_once(kernels[name], case, 2)
-            times[name].append(seconds)
-    med = {name: statistics.median(ts) for name, ts in times.items()}
-    return {
-        "case": case.name,
-        "ms": {name: round(s * 1e3, 3) for name, s in med.items()},
-        "gflops": {name: round(case.flop / s / 1e9, 1) for name, s in med.items()},
-        "ours/base": round(med["base"] / med["ours"], 3),
-        "control/base": round(med["base"] / med["control"], 3),
-        "bit_identical": {n: torch.equal(outputs[n], outputs["base"]) for n in ("ours", "control")},
-    }
+    """Alternating rounds (:func:`bench.common.ab_rounds`); medians and ratios against base."""
+    runs = {name: partial(run_once, kernel, case, 2) for name, kernel in kernels.items()}
+    return {"case": case.name, **ab_rounds(runs, rounds, case.flop)}
 
 
 def cases(layers: int) -> list[Case]:
@@ -156,27 +140,13 @@ def cases(layers: int) -> list[Case]:
     ]
 
 
-def build(tree: Path, flags: list[str]) -> NativeDecode:
-    source = tree / "kernels" / "csrc" / "paged_decode.c"
-    return NativeDecode(native.build(source=source, flags=[*native.FLAGS, *flags]))
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    ap.add_argument("--base", type=Path, required=True, help="source tree to compare against")
-    ap.add_argument("--rounds", type=int, default=7)
+    add_ab_arguments(ap)
     ap.add_argument("--layers", type=int, default=30, help="K/V caches cycled (from memory)")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--flags", nargs="*", default=[],
-                    help="extra compiler flags of all three builds (-mno-avx512f)")  # fmt: skip
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    ours_tree = Path(__file__).resolve().parents[1]
-    kernels = {
-        "base": build(args.base, args.flags),
-        "ours": build(ours_tree, args.flags),
-        "control": build(args.base, [*args.flags, "-DPS_AB_CONTROL=1"]),
-    }
+    kernels = ab_builds("kernels/csrc/paged_decode.c", NativeDecode, args.base, args.flags)
     results = [compare(kernels, case, args.rounds) for case in cases(args.layers)]
     emit("prefill_ab", {
         "base": str(args.base), "threads": args.threads, "rounds": args.rounds,

@@ -471,6 +471,32 @@ def test_prefill_ab_times_three_builds_and_checks_their_outputs(
         assert got["bit_identical"] == {"ours": True, "control": True}
 
 
+@pytest.mark.parametrize("bf16", [False, True])
+def test_gemm_ab_times_three_builds_and_checks_their_outputs(
+    bf16: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``bench.gemm_ab`` against this very tree: every hot and cold case timed for the three
+    builds (ours, base, a control build of base), all three bit-identical (each output's sum is
+    in a fixed order, whatever the code's placement); float32 panels, and bfloat16 ones where
+    the build has them."""
+    from bench import gemm_ab
+    from kernels import gemm
+
+    lib = gemm.load()
+    if lib is None or (bf16 and not lib.bf16):
+        pytest.skip("no C GEMM here" if lib is None else "no AVX512-BF16 here")
+    repo = Path(gemm_ab.__file__).resolve().parents[1]
+    args = ["--base", str(repo), "--rounds", "1", "--layers", "1", "--threads", "1"]
+    gemm_ab.main([*args, "--rows", "40", "--cold-rows", "5", *(["--bf16"] if bf16 else [])])
+    rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["case"].split()[0] for r in rec["results"]] == ["hot"] * 6 + ["cold"]
+    assert rec["bf16"] is bf16 and rec["amx"] is (bf16 and lib.amx)
+    for got in rec["results"]:
+        assert set(got["ms"]) == {"ours", "base", "control"} and min(got["ms"].values()) > 0
+        assert min(got["gflops"].values()) > 0 and got["ours/base"] > 0
+        assert got["bit_identical"] == {"ours": True, "control": True}
+
+
 def test_service_bench_warms_every_system_then_times_rounds(
     tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

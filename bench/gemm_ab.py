@@ -1,0 +1,122 @@
+"""A/B of the projection GEMM (``kernels/csrc/gemm.c``) between two source trees.
+
+Builds the GEMM library of this tree (``ours``), of ``--base DIR`` (``base``) and a second build
+of the base's source with a harmless extra define (``control``: the same code at other
+addresses; a change smaller than ``control / base`` is not resolved). Then times, in alternating
+rounds in one process, with the same weights and inputs for all three:
+
+* ``hot``: one projection at a time (the bench model's and SmolLM2's fused qkv, fused gate/up and
+  down shapes) at ``--rows`` rows (a prefill chunk: 2048), its weight in the cache;
+* ``cold``: a pass over ``--layers`` layers of SmolLM2's four projections, each its own weight
+  (30 layers: 424 MB in float32, past most of these machines' last-level caches), at
+  ``--cold-rows`` rows (decode steps).
+
+float32 panels, or with ``--bf16`` bfloat16 ones (on an AMX CPU its tiles, as the engine runs
+them). Prints one JSON line: per case each build's median ms and GFLOP/s, ``ours/base`` and
+``control/base`` speeds, and whether ours and the control give outputs bit-identical to the
+base's (the kernel's sums are in a fixed order: a change in blocking or code layout keeps them).
+
+    python -m bench.gemm_ab --base /tmp/base [--rounds 7] [--rows 2048] [--cold-rows 16,64]
+        [--layers 30] [--bf16] [--flags=-mno-avx512f]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from bench.common import ab_builds, ab_rounds, add_ab_arguments, emit
+from bench.gemm_libs import MODELS
+from kernels.gemm import NativeGemm, PanelWeight
+
+HOT_SHAPES = ("qkv", "gate_up", "down")
+
+
+@dataclass
+class Case:
+    """A pass over ``shapes`` (out, in) products at ``rows`` rows, ``repeats`` times a run."""
+
+    name: str
+    shapes: list[tuple[int, int]]
+    rows: int
+    repeats: int
+
+    @property
+    def flop(self) -> float:
+        """One pass's multiply-adds, x 2."""
+        return sum(2.0 * self.rows * n * k for n, k in self.shapes)
+
+
+def cases(rows: list[int], cold_rows: list[int], layers: int) -> list[Case]:
+    hot = [
+        Case(f"hot {model} {name} x {m}", [MODELS[model][name]], m, 3)
+        for m in rows
+        for model in ("bench", "smollm2")
+        for name in HOT_SHAPES
+    ]
+    smollm2 = list(MODELS["smollm2"].values())
+    return hot + [Case(f"cold smollm2 {layers} layers x {m}", smollm2 * layers, m, 1)
+                  for m in cold_rows]  # fmt: skip
+
+
+def pack_all(libs: dict[str, NativeGemm], case: Case, bf16: bool) -> dict[str, list[PanelWeight]]:
+    """Each build's packing of the same seeded weights (one at a time: no float32 copies kept)."""
+    gen = torch.Generator().manual_seed(0)
+    packed: dict[str, list[PanelWeight]] = {name: [] for name in libs}
+    for n, k in case.shapes:
+        w = torch.randn(n, k, generator=gen) * k**-0.5
+        for name, lib in libs.items():
+            packed[name].append(lib.pack_bf16(w) if bf16 else lib.pack(w))
+    return packed
+
+
+def run_once(
+    weights: list[PanelWeight], xs: dict[int, torch.Tensor], repeats: int
+) -> tuple[float, torch.Tensor]:
+    """Seconds per pass over ``weights``, and the last pass's outputs (flattened, in order)."""
+    outs: list[torch.Tensor] = []
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        outs = [w.matmul(xs[w.in_features]) for w in weights]
+    seconds = (time.perf_counter() - t0) / repeats
+    return seconds, torch.cat([y.flatten() for y in outs])
+
+
+def compare(libs: dict[str, NativeGemm], case: Case, rounds: int, bf16: bool) -> dict[str, object]:
+    packed = pack_all(libs, case, bf16)
+    gen = torch.Generator().manual_seed(1)
+    xs = {k: torch.randn(case.rows, k, generator=gen) for k in {k for _, k in case.shapes}}
+    runs = {name: partial(run_once, packed[name], xs, case.repeats) for name in libs}
+    return {"case": case.name, **ab_rounds(runs, rounds, case.flop)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    add_ab_arguments(ap)
+    ap.add_argument("--rows", default="2048", help="hot products' rows, comma list")
+    ap.add_argument("--cold-rows", default="16,64", help="cold passes' rows, comma list")
+    ap.add_argument("--layers", type=int, default=30, help="SmolLM2 layers of a cold pass")
+    ap.add_argument("--bf16", action="store_true", help="bfloat16 panels (AVX512-BF16 / AMX)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    libs = ab_builds("kernels/csrc/gemm.c", NativeGemm, args.base, args.flags)
+    if args.bf16 and not all(lib.bf16 for lib in libs.values()):
+        raise SystemExit("--bf16: a build here has no bfloat16 path (AVX512-BF16)")
+    rows = [int(r) for r in args.rows.split(",") if r]
+    cold_rows = [int(r) for r in args.cold_rows.split(",") if r]
+    todo = cases(rows, cold_rows, args.layers)
+    results = [compare(libs, case, args.rounds, args.bf16) for case in todo]
+    emit("gemm_ab", {
+        "base": str(args.base), "threads": args.threads, "rounds": args.rounds,
+        "layers": args.layers, "flags": args.flags, "bf16": args.bf16,
+        "amx": args.bf16 and libs["ours"].amx, "panel_width": libs["ours"].panel_width,
+        "results": results,
+    })  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
