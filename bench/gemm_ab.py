@@ -12,12 +12,13 @@ rounds in one process, with the same weights and inputs for all three:
   ``--cold-rows`` rows (decode steps).
 
 float32 panels, or with ``--bf16`` bfloat16 ones (on an AMX CPU its tiles, as the engine runs
-them). Prints one JSON line: per case each build's median ms and GFLOP/s, ``ours/base`` and
-``control/base`` speeds, and whether ours and the control give outputs bit-identical to the
-base's (the kernel's sums are in a fixed order: a change in blocking or code layout keeps them).
+them; ``--no-amx``: through ``vdpbf16ps`` there too, the path of CPUs without AMX). Prints one
+JSON line: per case each build's median ms and GFLOP/s, ``ours/base`` and ``control/base``
+speeds, and whether ours and the control give outputs bit-identical to the base's (the
+kernel's sums are in a fixed order: a change in blocking or code layout keeps them).
 
     python -m bench.gemm_ab --base /tmp/base [--rounds 7] [--rows 2048] [--cold-rows 16,64]
-        [--layers 30] [--bf16] [--flags=-mno-avx512f]
+        [--layers 30] [--bf16 [--no-amx]] [--flags=-mno-avx512f]
 """
 
 from __future__ import annotations
@@ -63,14 +64,16 @@ def cases(rows: list[int], cold_rows: list[int], layers: int) -> list[Case]:
                   for m in cold_rows]  # fmt: skip
 
 
-def pack_all(libs: dict[str, NativeGemm], case: Case, bf16: bool) -> dict[str, list[PanelWeight]]:
+def pack_all(
+    libs: dict[str, NativeGemm], case: Case, bf16: bool, amx: bool | None
+) -> dict[str, list[PanelWeight]]:
     """Each build's packing of the same seeded weights (one at a time: no float32 copies kept)."""
     gen = torch.Generator().manual_seed(0)
     packed: dict[str, list[PanelWeight]] = {name: [] for name in libs}
     for n, k in case.shapes:
         w = torch.randn(n, k, generator=gen) * k**-0.5
         for name, lib in libs.items():
-            packed[name].append(lib.pack_bf16(w) if bf16 else lib.pack(w))
+            packed[name].append(lib.pack_bf16(w, amx) if bf16 else lib.pack(w))
     return packed
 
 
@@ -86,8 +89,10 @@ def run_once(
     return seconds, torch.cat([y.flatten() for y in outs])
 
 
-def compare(libs: dict[str, NativeGemm], case: Case, rounds: int, bf16: bool) -> dict[str, object]:
-    packed = pack_all(libs, case, bf16)
+def compare(
+    libs: dict[str, NativeGemm], case: Case, rounds: int, bf16: bool, amx: bool | None
+) -> dict[str, object]:
+    packed = pack_all(libs, case, bf16, amx)
     gen = torch.Generator().manual_seed(1)
     xs = {k: torch.randn(case.rows, k, generator=gen) for k in {k for _, k in case.shapes}}
     runs = {name: partial(run_once, packed[name], xs, case.repeats) for name in libs}
@@ -101,6 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cold-rows", default="16,64", help="cold passes' rows, comma list")
     ap.add_argument("--layers", type=int, default=30, help="SmolLM2 layers of a cold pass")
     ap.add_argument("--bf16", action="store_true", help="bfloat16 panels (AVX512-BF16 / AMX)")
+    ap.add_argument("--no-amx", action="store_true", help="--bf16 through vdpbf16ps on AMX CPUs")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     libs = ab_builds("kernels/csrc/gemm.c", NativeGemm, args.base, args.flags)
@@ -109,11 +115,13 @@ def main(argv: list[str] | None = None) -> None:
     rows = [int(r) for r in args.rows.split(",") if r]
     cold_rows = [int(r) for r in args.cold_rows.split(",") if r]
     todo = cases(rows, cold_rows, args.layers)
-    results = [compare(libs, case, args.rounds, args.bf16) for case in todo]
+    amx = False if args.no_amx else None  # None: each build's own choice (its tiles if any)
+    results = [compare(libs, case, args.rounds, args.bf16, amx) for case in todo]
     emit("gemm_ab", {
         "base": str(args.base), "threads": args.threads, "rounds": args.rounds,
         "layers": args.layers, "flags": args.flags, "bf16": args.bf16,
-        "amx": args.bf16 and libs["ours"].amx, "panel_width": libs["ours"].panel_width,
+        "amx": args.bf16 and not args.no_amx and libs["ours"].amx,
+        "panel_width": libs["ours"].panel_width,
         "results": results,
     })  # fmt: skip
 

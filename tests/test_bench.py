@@ -471,14 +471,14 @@ def test_prefill_ab_times_three_builds_and_checks_their_outputs(
         assert got["bit_identical"] == {"ours": True, "control": True}
 
 
-@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("bf16", [(), ("--bf16",), ("--bf16", "--no-amx")], ids=str)
 def test_gemm_ab_times_three_builds_and_checks_their_outputs(
-    bf16: bool, capsys: pytest.CaptureFixture[str]
+    bf16: tuple[str, ...], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``bench.gemm_ab`` against this very tree: every hot and cold case timed for the three
     builds (ours, base, a control build of base), all three bit-identical (each output's sum is
     in a fixed order, whatever the code's placement); float32 panels, and bfloat16 ones where
-    the build has them."""
+    the build has them (on an AMX CPU its tiles, and with ``--no-amx`` ``vdpbf16ps``)."""
     from bench import gemm_ab
     from kernels import gemm
 
@@ -487,10 +487,10 @@ def test_gemm_ab_times_three_builds_and_checks_their_outputs(
         pytest.skip("no C GEMM here" if lib is None else "no AVX512-BF16 here")
     repo = Path(gemm_ab.__file__).resolve().parents[1]
     args = ["--base", str(repo), "--rounds", "1", "--layers", "1", "--threads", "1"]
-    gemm_ab.main([*args, "--rows", "40", "--cold-rows", "5", *(["--bf16"] if bf16 else [])])
+    gemm_ab.main([*args, "--rows", "40", "--cold-rows", "5", *bf16])
     rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [r["case"].split()[0] for r in rec["results"]] == ["hot"] * 6 + ["cold"]
-    assert rec["bf16"] is bf16 and rec["amx"] is (bf16 and lib.amx)
+    assert rec["bf16"] is bool(bf16) and rec["amx"] is (bf16 == ("--bf16",) and lib.amx)
     for got in rec["results"]:
         assert set(got["ms"]) == {"ours", "base", "control"} and min(got["ms"].values()) > 0
         assert min(got["gflops"].values()) > 0 and got["ours/base"] > 0
