@@ -107,15 +107,17 @@ static inline vwsf ps_wbcast(const float *p) {
 #ifndef PS_GEMM_UNROLL
 #define PS_GEMM_UNROLL 4
 #endif
-#define PS_GEMM_STR(x) #x
-#define PS_GEMM_PRAGMA(x) _Pragma(PS_GEMM_STR(x))
+#define PS_GEMM_PRAGMA(x) _Pragma(#x)
 #define PS_GEMM_UNROLL_N(n) PS_GEMM_PRAGMA(GCC unroll n)
 #define PS_GEMM_UNROLL_K PS_GEMM_UNROLL_N(PS_GEMM_UNROLL)
 
 /* rows [0, mr) of x times one panel, into y (ncols <= NR valid columns). mr and bf16 are
  * constants at every call site (the switch below), so acc[][] lives in registers. With bf16,
  * each k step is a k pair: x's 4-byte element holds (x[k], x[k + 1]) in bfloat16, the panel's
- * step each column's (W[c][k], W[c][k + 1]), and vdpbf16ps adds both products per column. */
+ * step each column's (W[c][k], W[c][k + 1]), and vdpbf16ps adds both products per column.
+ * nxt (also a constant): whether the loop carries the next block's requests (``ahead``); a
+ * tile with none left is compiled without them, since at 12 rows their registers pushed row
+ * pointers of x out to the stack and into vector registers, moves beside every k step's FMAs. */
 static inline __attribute__((always_inline)) void ps_gemm_tile(
     const float *x, int64_t ldx, const float *wp, int64_t K, float *y, int64_t ldy,
     const int mr, const float *bias, int64_t ncols, int64_t k0, int64_t k1,
@@ -188,7 +190,7 @@ static inline __attribute__((always_inline)) void ps_gemm_rows_of(
     const float *x, int64_t ldx, const float *wp, int64_t K, float *y, int64_t ldy, int64_t mr,
     const float *bias, int64_t ncols, int64_t k0, int64_t k1, ps_gemm_ahead *ahead,
     const int bf16) {
-    const int nxt = ahead->left > 0; /* a tile with no lines to request keeps no state for them */
+    const int nxt = ahead->left > 0; /* lines still to request (ps_gemm_tile's nxt) */
     switch (mr) {
 #define PS_GEMM_CASE(n) \
     case n:                                                                                \
