@@ -108,6 +108,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--bf16", action="store_true", help="bfloat16 panels (AVX512-BF16 / AMX)")
     ap.add_argument("--no-amx", action="store_true", help="--bf16 through vdpbf16ps on AMX CPUs")
     args = ap.parse_args(argv)
+    if args.no_amx and not args.bf16:
+        ap.error("--no-amx picks a bfloat16 path: give --bf16 too")
     torch.set_num_threads(args.threads)
     libs = ab_builds("kernels/csrc/gemm.c", NativeGemm, args.base, args.flags)
     if args.bf16 and not all(lib.bf16 for lib in libs.values()):
