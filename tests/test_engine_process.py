@@ -4,7 +4,9 @@ tests/test_service.py)."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
+import pickle
 import signal
 import time
 from pathlib import Path
@@ -16,7 +18,7 @@ from pagedserve.params import SamplingParams
 from pagedserve.schemas import JobStatus
 from tests.fixtures.workers import StartWorker, wait_for
 from worker.engine import Engine
-from worker.engine_process import EngineDied, EngineProcess
+from worker.engine_process import EngineDied, EngineProcess, Inbox, Report, send_report
 from worker.outputs import EngineConfig, RequestOutput
 
 CFG = EngineConfig(num_kv_blocks=256, max_model_len=512, num_threads=1)
@@ -45,6 +47,23 @@ def run_all(eng: Engine | EngineProcess) -> dict[str, RequestOutput]:
             if out.finished:
                 done[out.request_id] = out
     return done
+
+
+def test_the_pipes_inbox_and_reports() -> None:
+    """The child's and the loop's check for something to read: nothing, then a report (plain
+    pickle bytes, read back whole), then the other end closed, which reads as ready and then
+    ends the reads (how the child notices that its worker is gone)."""
+    a, b = mp.Pipe()
+    inbox = Inbox(a)
+    assert not inbox.ready() and not inbox.ready(0.01)
+    rep = Report(capacity=7, waiting=2, lookups={("h", 1): 3, ("h", 2): None})
+    send_report(b, rep)
+    assert inbox.ready(1.0)
+    assert pickle.loads(a.recv_bytes()) == rep
+    b.close()
+    assert inbox.ready(1.0)
+    with pytest.raises(EOFError):
+        a.recv_bytes()
 
 
 def test_outputs_equal_the_in_process_engine(model_dir: Path, remote: EngineProcess) -> None:
