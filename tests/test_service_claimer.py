@@ -92,6 +92,63 @@ def test_a_round_in_flight_at_stop_is_handed_back(
     assert lease.job_id == jid
 
 
+def recorded_orders(w: Any) -> list[ClaimOrder]:
+    """The worker's claim orders from now on, in the order asked."""
+    asks: list[ClaimOrder] = []
+    ask = w.claimer.ask
+
+    def record(order: ClaimOrder) -> None:
+        asks.append(order)
+        ask(order)
+
+    w.claimer.ask = record
+    return asks
+
+
+def test_the_round_after_an_idle_wake_goes_out_at_once(
+    make_worker: Any, redis_url: str, loop_engine: Engine
+) -> None:
+    """An idle worker's blocking read wakes at the first job queued (the rest of a burst
+    usually comes after it): the next round, not blocking, is ordered in the same pass of the
+    loop, before the first step."""
+    store = JobStore(redis_url, lease_ms=60_000)
+    w = make_worker(loop_engine, store, ServiceConfig(worker_id="claim-wake", redis_url=redis_url))
+    asks = recorded_orders(w)
+    steps = loop_engine.stats().steps
+    jid = Client(redis_url).submit([5, 6, 7, 8], SHORT)
+    deadline = time.monotonic() + 30
+    while jid not in w.jobs:  # the loop's claim part only: no step runs
+        assert time.monotonic() < deadline, "the job was not claimed"
+        w.housekeeping()
+    assert w.claimer.pending and asks[-1].block_ms == 0  # the next round, not blocking
+    assert loop_engine.stats().steps == steps
+
+
+def test_a_busy_worker_waits_on_redis_for_new_work(
+    make_worker: Any, redis_url: str, loop_engine: Engine
+) -> None:
+    """A busy worker with free seats whose last round found nothing waits for new work with a
+    blocking read (up to claim_interval_s), which the next job queued wakes: with an interval
+    of 60 s that job still joins the running batch at once, not a poll interval later; a
+    round that took jobs is followed by one that does not block."""
+    store = JobStore(redis_url, lease_ms=120_000)
+    cfg = ServiceConfig(worker_id="claim-busy", redis_url=redis_url, claim_interval_s=60.0)
+    w = make_worker(loop_engine, store, cfg)
+    asks = recorded_orders(w)
+    client = Client(redis_url)
+    long = SamplingParams(max_tokens=480, temperature=0.0, ignore_eos=True)
+    running = client.submit([5, 6, 7, 8], long)
+    run_loop_until(w, lambda: running in w.jobs and not w.claim_found and w.claimer.pending)
+    assert asks[-1].block_ms == 60_000  # busy, the last round found nothing: it waits
+    late = client.submit([9, 10, 11], SHORT)
+    t0 = time.monotonic()
+    run_loop_until(w, lambda: late in w.jobs, timeout=30)
+    assert time.monotonic() - t0 < 30 and running in w.jobs  # joined the running batch
+    assert w.claim_found and asks[-1].block_ms == 0  # took a job: the next round at once
+    run_loop_until(w, lambda: client.status(late).terminal)
+    assert client.status(late) == JobStatus.SUCCEEDED
+
+
 def test_close_hands_back_what_the_last_round_took(redis_url: str) -> None:
     store = JobStore(redis_url, lease_ms=60_000)
     client = Client(redis_url)

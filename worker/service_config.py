@@ -56,8 +56,9 @@ class ServiceConfig:
         default=1.0, metadata=opt("seconds between heartbeats (the API's view of this worker)")
     )
     idle_block_ms: int = 100  # blocking claim when the engine is idle
-    # Least time between non-blocking claims while busy after one found nothing (a claim that
-    # found jobs is repeated at once); new work waits at most this long for a busy worker.
+    # While busy with free seats: after a claim that found nothing, the next one waits up to
+    # this long for new work (a blocking read, woken by the first job queued); a claim that
+    # found jobs is repeated at once, without waiting.
     claim_interval_s: float = 0.05
     throughput_window_s: float = 10.0
     # Prefix-aware admission of bulk jobs (worker/admission.py, pagedserve/lua/admission.lua),
