@@ -8,7 +8,7 @@ import time
 import pytest
 from pydantic import ValidationError
 
-from pagedserve.client import Client
+from pagedserve.client import FIRST_CHUNK, Client, _chunks
 from pagedserve.params import SamplingParams
 from pagedserve.schemas import Completion, JobResult, JobStatus
 from pagedserve.store import Finish, JobStore, Lease, Progress
@@ -127,6 +127,51 @@ def test_wait_many_ends_when_the_last_open_job_does(client: Client, redis_url: s
     assert [r.id for r in recs] == ids and {r.status for r in recs} == {JobStatus.SUCCEEDED}
     with pytest.raises(KeyError, match="missing"):
         client.wait_many([ids[0], "missing"], timeout=1)
+
+
+def test_wait_many_wakes_at_the_watched_jobs_end(client: Client, redis_url: str) -> None:
+    """A poll of wait_many blocks on the watched job's events: its end wakes it (not the end of
+    the poll interval), an open job that does not end within the wait reads as open, an
+    unknown one as ended (the pipelined read that follows says which)."""
+    jid = client.submit("watched")
+    worker = JobStore(redis_url)
+    lease = claim_one(worker)
+    assert client._ends_within(jid, 0.05) is False
+    delta = threading.Timer(0.2, lambda: worker.commit_step(
+        progress=[Progress(lease, 1, "par", [3])]))  # fmt: skip
+    t0 = time.monotonic()
+    delta.start()
+    assert client._ends_within(jid, 60.0) is False  # woken by the delta: not an end
+    assert time.monotonic() - t0 < 30
+    delta.join()
+    done = threading.Timer(0.2, lambda: worker.commit_step(
+        finished=[Finish(lease, "succeeded", result=result("done", [4]))]))  # fmt: skip
+    t0 = time.monotonic()
+    done.start()
+    assert client._ends_within(jid, 60.0) is True
+    assert time.monotonic() - t0 < 30  # woken by the end event, not the 60 s timeout
+    done.join()
+    assert client._ends_within(jid, 60.0) is True  # ended: answered without blocking
+    assert client._ends_within("missing", 60.0) is True
+
+
+def test_submit_chunks_start_small() -> None:
+    """The first round trip of a large submission carries FIRST_CHUNK jobs (workers start on
+    them while the rest is sent), then ``chunk`` at a time; all in order, none twice."""
+    assert list(_chunks(5, 2000)) == [(0, 5)]
+    assert list(_chunks(40, 2000)) == [(0, FIRST_CHUNK), (FIRST_CHUNK, 40)]
+    assert list(_chunks(25, 10)) == [(0, 10), (10, 20), (20, 25)]
+    assert list(_chunks(0, 10)) == []
+    with pytest.raises(ValueError):
+        list(_chunks(3, 0))
+
+
+def test_submit_many_over_several_chunks(client: Client, redis_url: str) -> None:
+    ids = client.submit_many([f"c{i}" for i in range(FIRST_CHUNK + 5)], chunk=3)
+    assert len(set(ids)) == FIRST_CHUNK + 5
+    leases = JobStore(redis_url).claim("w", 64)
+    assert [x.job_id for x in leases] == ids  # queued in order
+    assert [x.request.prompt for x in leases] == [f"c{i}" for i in range(FIRST_CHUNK + 5)]
 
 
 def test_wait_many_reads_records_as_their_jobs_end(client: Client, redis_url: str) -> None:
