@@ -2,8 +2,9 @@
 reclaim of dead workers' entries) run on a thread of their own, so that a busy loop's engine
 steps never wait for them.
 
-Why: a busy worker with free seats claims every ``claim_interval_s`` (new work must not wait
-long), and each round is two or three round trips plus the parsing of what they return. At fast
+Why: a busy worker with free seats keeps a claim round going (one that found nothing is
+followed by a blocking read of up to ``claim_interval_s``, so new work does not wait), and each
+round is two or three round trips plus the parsing of what they return. At fast
 steps (a small model on a CPU, any model on a GPU) that was a good part of the loop's time:
 ``bench.service --preset tiny`` on a Zen 5 EPYC had the claim rounds at ~6% of the worker's
 main-thread samples (py-spy), on top of the heartbeat's ~3%.
