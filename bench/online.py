@@ -275,6 +275,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=2, help="alternating offline/online rounds")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (both engines)")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda[:n] (both engines)")
+    ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (both)")
     ap.add_argument("--api-threads", type=int, default=64, help="gunicorn threads per worker")
     ap.add_argument("--kv-cache-memory", type=int, default=256 << 20)
     ap.add_argument("--max-num-seqs", type=int, default=256)

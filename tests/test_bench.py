@@ -621,6 +621,23 @@ def test_redis_cost_counts_what_a_real_worker_asks_of_redis(
     assert run["redis_cpu_us_per_token"] > 0 and run["workers_to_saturate"] > 0
 
 
+def test_online_bench_streams_through_worker_and_api(
+    tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``bench.online``: streaming chat clients through a real worker and the API against the
+    offline engine on the same requests. (It had stopped starting, like ``bench.redis_cost``
+    before it, when ``bench.service`` grew ``--device``/``--dtype``.)"""
+    from bench import online
+
+    online.main(["--model", str(tiny_model_dir), "--clients", "2", "--requests", "4",
+                 "--rounds", "1"])  # fmt: skip
+    rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rec["bench"] == "online" and rec["clients"] == 2 and rec["requests"] == 4
+    assert rec["output_tokens"] > 0 and rec["online_tok_s"] > 0 and rec["offline_tok_s"] > 0
+    assert len(rec["paired_ratios"]) == 1 and rec["online_over_offline"] > 0
+    assert rec["ttft_ms_p50"] > 0 and rec["ttft_ms_p99"] >= rec["ttft_ms_p50"]
+
+
 def test_kv_layout_bench_counts_layouts_times_them_and_reuses_chats(
     tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
