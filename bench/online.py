@@ -10,7 +10,8 @@ and inter-token latency (ITL: gaps between content chunks; ``tpot``: (last - fir
 (goal >= 0.9 at 32 clients), and how long ``GET /v1/pool`` took while the streams ran.
 
 Usage: ``python -m bench.online [--clients 32] [--requests 96] [--rounds 2]
-[--preset tiny|bench|smollm2 | --model DIR|FILE.gguf] [--threads 1]``.
+[--preset tiny|bench|smollm2 | --model DIR|FILE.gguf] [--threads 1] [--device cpu]
+[--dtype float32]``.
 """
 
 from __future__ import annotations

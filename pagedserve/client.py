@@ -165,7 +165,8 @@ class Client:
         chunk: int = SUBMIT_CHUNK,
     ) -> list[str]:
         """Queue many jobs sharing ``params``, pipelined ``chunk`` at a time (one round trip
-        each); returns ids in the order of ``prompts``. All requests are validated before any is
+        each; the first carries at most :data:`FIRST_CHUNK`); returns ids in the order of
+        ``prompts``. All requests are validated before any is
         queued."""
         p = _as_params(params)
         requests = [build_request(x, p, priority=priority, model=model) for x in prompts]

@@ -257,8 +257,10 @@ class Worker:
         got = self.claimer.take(0.0) if self._busy() else self._idle_take(idle_wait)
         if got is not None:
             self._claimed(got)
-        busy = self._order_round()
-        if busy is False and (got := self._idle_take(idle_wait)) is not None:
+        if self._order_round() and not self._busy():  # idle: wait here for its blocking read
+            got = self._idle_take(idle_wait)
+            if got is None:
+                return
             self._claimed(got)
             if got.leases:
                 # The blocking read wakes at the first job a client queues, usually alone: the
@@ -267,9 +269,8 @@ class Worker:
                 # before the next round even started), while the rest of a burst waited.
                 self._order_round()
 
-    def _order_round(self) -> bool | None:
-        """Order the next claim round if one is due; whether the loop was busy then, None when
-        nothing was ordered.
+    def _order_round(self) -> bool:
+        """Order the next claim round if one is due; whether one was ordered.
 
         A busy loop with free seats orders a round at once after one that took jobs (more may
         be queued), else one that waits up to ``claim_interval_s`` on Redis for new work: the
@@ -279,7 +280,7 @@ class Worker:
         ms late). Redis sees one round per interval either way while nothing comes."""
         cap = self._capacity()
         if self.claimer.pending or cap <= 0:
-            return None
+            return False
         busy, now = self._busy(), time.monotonic()
         block_ms = self.cfg.idle_block_ms
         if busy:
@@ -291,7 +292,7 @@ class Worker:
             cap, block_ms, self.admission.order_request(),
             reclaim_ms=self.cfg.reclaim_ms if reclaim else 0, held=self.held,
         ))  # fmt: skip
-        return busy
+        return True
 
     def _idle_take(self, timeout: float) -> Claimed | None:
         """The claimer's round, waiting up to ``timeout`` for it: idle time on the loop clock."""
