@@ -60,19 +60,40 @@ def add_ab_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def ab_builds(
-    source: str, load: Callable[[Path], _Lib], base: Path, flags: list[str]
+    source: str,
+    load: Callable[[Path], _Lib],
+    base: Path,
+    flags: list[str],
+    base_load: Callable[[Path], _Lib] | None = None,
 ) -> dict[str, _Lib]:
     """The C library of ``source`` (a path in a tree, ``kernels/csrc/gemm.c``) built from the
     base tree, from this one (``ours``) and from the base again with a define no source reads
-    (``control``: the same code loaded again elsewhere), each opened by ``load``."""
+    (``control``: the same code loaded again elsewhere), each opened by ``load`` (the base's
+    two by ``base_load`` where given: the base tree's own binding, for a change of the
+    library's arguments)."""
     from kernels import native
 
-    def build(tree: Path, extra: list[str]) -> _Lib:
-        return load(native.build(source=tree / source, flags=[*native.FLAGS, *flags, *extra]))
+    def build(tree: Path, extra: list[str], opener: Callable[[Path], _Lib]) -> _Lib:
+        return opener(native.build(source=tree / source, flags=[*native.FLAGS, *flags, *extra]))
 
     ours = Path(__file__).resolve().parents[1]
-    return {"base": build(base, []), "ours": build(ours, []),
-            "control": build(base, ["-DPS_AB_CONTROL=1"])}  # fmt: skip
+    at_base = base_load or load
+    return {"base": build(base, [], at_base), "ours": build(ours, [], load),
+            "control": build(base, ["-DPS_AB_CONTROL=1"], at_base)}  # fmt: skip
+
+
+def tree_module(tree: Path, relative: str, name: str) -> Any:
+    """The module at ``tree / relative`` loaded under ``name`` (another checkout's copy of one
+    of ours, beside ours; its own imports resolve to this tree's modules)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, tree / relative)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"cannot load {tree / relative}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
 
 
 #: One timed run of a build: seconds per unit of work, and its result (compared bit for bit).

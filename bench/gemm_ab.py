@@ -30,7 +30,7 @@ from functools import partial
 
 import torch
 
-from bench.common import ab_builds, ab_rounds, add_ab_arguments, emit
+from bench.common import ab_builds, ab_rounds, add_ab_arguments, emit, tree_module
 from bench.gemm_libs import MODELS
 from kernels.gemm import NativeGemm, PanelWeight
 
@@ -111,7 +111,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.no_amx and not args.bf16:
         ap.error("--no-amx picks a bfloat16 path: give --bf16 too")
     torch.set_num_threads(args.threads)
-    libs = ab_builds("kernels/csrc/gemm.c", NativeGemm, args.base, args.flags)
+    base_gemm = tree_module(args.base, "kernels/gemm.py", "_ab_base_gemm").NativeGemm
+    libs = ab_builds("kernels/csrc/gemm.c", NativeGemm, args.base, args.flags, base_gemm)
     if args.bf16 and not all(lib.bf16 for lib in libs.values()):
         raise SystemExit("--bf16: a build here has no bfloat16 path (AVX512-BF16)")
     rows = [int(r) for r in args.rows.split(",") if r]

@@ -55,6 +55,10 @@ class NativeGemm:
         lib.ps_gemm_bf16_amx.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _P, _I32]
         lib.ps_gemm_bf16_amx.restype = None
         lib.ps_gemm_amx_available.restype = ctypes.c_int
+        lib.ps_gemm_f32_glu.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _P, _I32]
+        lib.ps_gemm_f32_glu.restype = None
+        lib.ps_gemm_glu_partial.argtypes = [_I64, _I64]
+        lib.ps_gemm_glu_partial.restype = ctypes.c_int
         self._lib = lib
         #: Output columns per panel: 16 with 8-float vectors, 32 with 16-float ones.
         self.panel_width = int(lib.ps_gemm_panel_width())
@@ -80,6 +84,21 @@ class NativeGemm:
             w = torch.cat([w, w.new_zeros(padded - n, k)])
         panels = w.reshape(padded // nr, nr, k).transpose(1, 2).contiguous()
         return PanelWeight(panels=panels, out_features=n, in_features=k, gemm=self)
+
+    def pack_glu(self, weight: torch.Tensor) -> PanelWeight:
+        """A fused gate/up weight ``[2 * inter, in]`` (gate rows first, float32, CPU) packed so
+        that :meth:`PanelWeight.matmul` gives ``silu(x @ gate.T) * (x @ up.T)`` ``[rows,
+        inter]`` (``ps_gemm_f32_glu``): each panel's first half is ``L`` gate rows, its second
+        half the same rows of up (``L`` = half the panel width), zero rows past ``inter``."""
+        if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+            raise ValueError("pack_glu takes a 2-D float32 CPU weight")
+        two_inter, k = weight.shape
+        if two_inter % 2:
+            raise ValueError("pack_glu takes gate and up rows stacked: an even number of rows")
+        halves = [_glu_halves(h, self.panel_width // 2) for h in weight.detach().chunk(2)]
+        panels = torch.cat(halves, dim=1).transpose(1, 2).contiguous()
+        return PanelWeight(panels=panels, out_features=two_inter // 2, in_features=k, gemm=self,
+                           glu=True)  # fmt: skip
 
     def pack_bf16(self, weight: torch.Tensor, amx: bool | None = None) -> PanelWeight:
         """``weight`` [out, in] (float32, CPU, ``in`` even) rounded to bfloat16 as panels of 32
@@ -116,6 +135,8 @@ class NativeGemm:
         m, k = x.shape
         if k != weight.in_features or x.dtype != torch.float32 or not x.is_cpu:
             raise ValueError(f"x must be float32 [rows, {weight.in_features}] on the CPU")
+        if weight.glu:
+            return self._matmul_glu(x, weight, bias)
         bf16 = weight.panels.dtype == torch.bfloat16
         amx = bf16 and weight.amx
         if bf16 and not amx:
@@ -139,6 +160,42 @@ class NativeGemm:
             run(*args, torch.get_num_threads())
         return y
 
+    def _matmul_glu(
+        self, x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``silu(x @ gate.T + bg) * (x @ up.T + bu)`` for a :meth:`pack_glu` weight; ``bias``
+        is the plain fused one (``[2 * inter]``, gate first)."""
+        m, k = x.shape
+        inter = weight.out_features
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        if bias is not None:
+            if bias.numel() != 2 * inter:
+                raise ValueError("bias must have one value per gate and up row")
+            halves = [_glu_halves(h.reshape(-1, 1), self.panel_width // 2) for h in
+                      bias.detach().to(torch.float32).chunk(2)]  # fmt: skip
+            bias = torch.cat(halves, dim=1).flatten().contiguous()
+        y = torch.empty(m, inter, dtype=torch.float32)
+        partial = None
+        if self._lib.ps_gemm_glu_partial(m, k):
+            partial = torch.empty(m, weight.panels.shape[0] * self.panel_width)
+        self._lib.ps_gemm_f32_glu(
+            x.data_ptr(), m, k, x.stride(0), weight.panels.data_ptr(), inter,
+            None if bias is None else bias.data_ptr(), y.data_ptr(), y.stride(0),
+            None if partial is None else partial.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        return y
+
+
+def _glu_halves(rows: torch.Tensor, width: int) -> torch.Tensor:
+    """``rows`` ``[n, k]`` zero-padded to a multiple of ``width`` rows, as ``[n / width, width,
+    k]`` (one GLU panel's gate or up half each)."""
+    n, k = rows.shape
+    padded = -(-n // width) * width
+    if padded != n:
+        rows = torch.cat([rows, rows.new_zeros(padded - n, k)])
+    return rows.reshape(padded // width, width, k)
+
 
 @dataclass(frozen=True, eq=False)
 class PanelWeight:
@@ -151,11 +208,14 @@ class PanelWeight:
     gemm: NativeGemm
     #: bfloat16 panels multiplied on the AMX tiles (:meth:`NativeGemm.pack_bf16`).
     amx: bool = False
+    #: gate and up panels whose product is ``silu(gate) * up`` (:meth:`NativeGemm.pack_glu`;
+    #: ``out_features`` is then the intermediate size).
+    glu: bool = False
 
     @property
     def shape(self) -> tuple[int, int]:
-        """``(out, in)``, as the plain weight's."""
-        return self.out_features, self.in_features
+        """``(out, in)``, as the plain weight's (a GLU weight's: gate and up rows)."""
+        return self.out_features * (2 if self.glu else 1), self.in_features
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T (+ bias)`` over any leading dimensions of ``x``."""

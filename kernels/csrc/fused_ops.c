@@ -40,17 +40,6 @@
 static inline v8sf ps_ld(const float *p) { return *(const v8sf_u *)p; }
 static inline void ps_st(float *p, v8sf v) { *(v8sf_u *)p = v; }
 
-/* exp(x) for any x: clamped above to 88.3 (below, ps_exp8 / ps_wexp clamp at -87.3); one
- * definition for both vector types, as ps_vec.h defines the exps. */
-#define PS_DEFINE_EXP_ANY(name, exp, vf, vi, splat)                                         \
-    static inline vf name(vf x) {                                                           \
-        const vf hi = splat(88.3f);                                                         \
-        const vi above = x > hi;                                                            \
-        return exp((vf)(((vi)x & ~above) | ((vi)hi & above)));                              \
-    }
-PS_DEFINE_EXP_ANY(ps_exp8_any, ps_exp8, v8sf, v8si, ps_splat)
-PS_DEFINE_EXP_ANY(ps_wexp_any, ps_wexp, vwsf, vwsi, ps_wsplat)
-
 static inline float ps_silu1(float g) { return g / (1.0f + expf(-g)); }
 
 /* out[r, i] = silu(gu[r, i]) * gu[r, inter + i]; rows in_stride / out_stride floats apart.
@@ -65,9 +54,7 @@ void ps_silu_mul_f32(const float *gu, int64_t rows, int64_t inter, int64_t in_st
         const float *g = gu + r * in_stride, *u = g + inter;
         float *o = out + r * out_stride;
         for (int64_t i = 0; i < wide_end; i += PS_WIDE_LANES) {
-            const vwsf gv = ps_wload(g + i);
-            const vwsf s = gv / (ps_wsplat(1.0f) + ps_wexp_any(-gv));
-            ps_wstore(o + i, s * ps_wload(u + i));
+            ps_wstore(o + i, ps_wsilu(ps_wload(g + i)) * ps_wload(u + i));
         }
         for (int64_t i = wide_end; i < vec_end; i += 8) {
             const v8sf gv = ps_ld(g + i);

@@ -79,6 +79,13 @@ typedef struct {
 
 int ps_gemm_panel_width(void) { return PS_GEMM_NR; }
 
+/* Where a GLU call (ps_gemm_f32_glu, below) puts a tile's silu(gate) * up: its rows ldo floats
+ * apart (the tile's first row and the panel's first output column). */
+typedef struct {
+    float *out;
+    int64_t ldo;
+} ps_gemm_glu;
+
 /* *p in every lane, loaded by the broadcast itself (ps_wsplat's scalar add and register
  * shuffle took issue slots the multiply-adds need) */
 static inline vwsf ps_wbcast(const float *p) {
@@ -97,6 +104,25 @@ static inline vwsf ps_wbcast(const float *p) {
 #else
 #define PS_GEMM_HAS_BF16 0
 #endif
+
+/* silu(gate) * up of a GLU tile's rows (ps_gemm_f32_glu): ``ncols`` outputs of each row to
+ * glu->out. Out of line and without FMA contraction (the rest of this file contracts): the
+ * same arithmetic, rounding for rounding, as ps_silu_mul_f32 in fused_ops.c (built with
+ * -ffp-contract=off), so the fused product gives the bits the two passes gave. */
+__attribute__((noinline, optimize("fp-contract=off"))) static void ps_gemm_glu_rows(
+    const float (*sums)[PS_GEMM_NR], int mr, const ps_gemm_glu *glu, int64_t ncols) {
+    for (int i = 0; i < mr; ++i) {
+        const vwsf o = ps_wsilu(ps_wload(sums[i])) * ps_wload(sums[i] + PS_WIDE_LANES);
+        float *dst = glu->out + i * glu->ldo;
+        if (ncols == PS_WIDE_LANES) {
+            ps_wstore(dst, o);
+        } else {
+            float tmp[PS_WIDE_LANES];
+            ps_wstore(tmp, o);
+            memcpy(dst, tmp, (size_t)ncols * sizeof(float));
+        }
+    }
+}
 
 /* k steps per iteration of the tile's loop. Why: with one step per iteration, the loop's own
  * adds, compare and branch (and, at 12 rows, row pointers reloaded from where they spilled) took
@@ -121,7 +147,7 @@ static inline vwsf ps_wbcast(const float *p) {
 static inline __attribute__((always_inline)) void ps_gemm_tile(
     const float *x, int64_t ldx, const float *wp, int64_t K, float *y, int64_t ldy,
     const int mr, const float *bias, int64_t ncols, int64_t k0, int64_t k1,
-    ps_gemm_ahead *ahead, const int bf16, const int nxt) {
+    ps_gemm_ahead *ahead, const int bf16, const int nxt, const ps_gemm_glu *glu) {
     vwsf acc[PS_GEMM_MR][PS_GEMM_NRV];
     const char *ahead_p = ahead->p; /* in locals: kept in registers across the k loop */
     int64_t ahead_left = ahead->left;
@@ -165,7 +191,7 @@ static inline __attribute__((always_inline)) void ps_gemm_tile(
     ahead->due = ahead_due;
     if (bias && k1 == K) {
         float bpad[PS_GEMM_NR] = {0};
-        if (ncols < PS_GEMM_NR) { /* the last panel: no reads past the bias's end */
+        if (!glu && ncols < PS_GEMM_NR) { /* the last panel: no reads past the bias's end */
             memcpy(bpad, bias, (size_t)ncols * sizeof(float));
             bias = bpad;
         }
@@ -174,7 +200,14 @@ static inline __attribute__((always_inline)) void ps_gemm_tile(
         for (int i = 0; i < mr; ++i)
             for (int j = 0; j < PS_GEMM_NRV; ++j) acc[i][j] += b[j];
     }
-    if (ncols == PS_GEMM_NR) {
+    if (glu && k1 == K) { /* silu(gate) * up: ncols of the panel's outputs to glu->out */
+        float sums[PS_GEMM_MR][PS_GEMM_NR] __attribute__((aligned(64)));
+        for (int i = 0; i < mr; ++i)
+            for (int j = 0; j < PS_GEMM_NRV; ++j) ps_wstore(sums[i] + j * PS_WIDE_LANES, acc[i][j]);
+        ps_gemm_glu_rows(sums, mr, glu, ncols);
+        return;
+    }
+    if (glu || ncols == PS_GEMM_NR) { /* a GLU call's partial sums: whole panels wide */
         for (int i = 0; i < mr; ++i)
             for (int j = 0; j < PS_GEMM_NRV; ++j) ps_wstore(y + i * ldy + j * PS_WIDE_LANES, acc[i][j]);
         return;
@@ -189,13 +222,18 @@ static inline __attribute__((always_inline)) void ps_gemm_tile(
 static inline __attribute__((always_inline)) void ps_gemm_rows_of(
     const float *x, int64_t ldx, const float *wp, int64_t K, float *y, int64_t ldy, int64_t mr,
     const float *bias, int64_t ncols, int64_t k0, int64_t k1, ps_gemm_ahead *ahead,
-    const int bf16) {
+    const int bf16, const ps_gemm_glu *glu) {
     const int nxt = ahead->left > 0; /* lines still to request (ps_gemm_tile's nxt) */
     switch (mr) {
 #define PS_GEMM_CASE(n) \
     case n:                                                                                \
-        if (nxt) ps_gemm_tile(x, ldx, wp, K, y, ldy, n, bias, ncols, k0, k1, ahead, bf16, 1); \
-        else ps_gemm_tile(x, ldx, wp, K, y, ldy, n, bias, ncols, k0, k1, ahead, bf16, 0);     \
+        if (glu && nxt)                                                                    \
+            ps_gemm_tile(x, ldx, wp, K, y, ldy, n, bias, ncols, k0, k1, ahead, 0, 1, glu); \
+        else if (glu)                                                                      \
+            ps_gemm_tile(x, ldx, wp, K, y, ldy, n, bias, ncols, k0, k1, ahead, 0, 0, glu); \
+        else if (nxt)                                                                      \
+            ps_gemm_tile(x, ldx, wp, K, y, ldy, n, bias, ncols, k0, k1, ahead, bf16, 1, 0);\
+        else ps_gemm_tile(x, ldx, wp, K, y, ldy, n, bias, ncols, k0, k1, ahead, bf16, 0, 0); \
         break;
         PS_GEMM_CASE(1) PS_GEMM_CASE(2) PS_GEMM_CASE(3) PS_GEMM_CASE(4) PS_GEMM_CASE(5)
         PS_GEMM_CASE(6)
@@ -210,8 +248,8 @@ static inline __attribute__((always_inline)) void ps_gemm_rows_of(
 
 static void ps_gemm_rows(const float *x, int64_t ldx, const float *wp, int64_t K, float *y,
                          int64_t ldy, int64_t mr, const float *bias, int64_t ncols, int64_t k0,
-                         int64_t k1, ps_gemm_ahead *ahead) {
-    ps_gemm_rows_of(x, ldx, wp, K, y, ldy, mr, bias, ncols, k0, k1, ahead, 0);
+                         int64_t k1, ps_gemm_ahead *ahead, const ps_gemm_glu *glu) {
+    ps_gemm_rows_of(x, ldx, wp, K, y, ldy, mr, bias, ncols, k0, k1, ahead, 0, glu);
 }
 
 /* bfloat16 panels (ps_gemm_bf16, below): both layouts step 4-byte elements of x and
@@ -219,7 +257,7 @@ static void ps_gemm_rows(const float *x, int64_t ldx, const float *wp, int64_t K
 static void ps_gemm_bf16_rows(const float *x, int64_t ldx, const float *wp, int64_t K, float *y,
                               int64_t ldy, int64_t mr, const float *bias, int64_t ncols,
                               int64_t k0, int64_t k1, ps_gemm_ahead *ahead) {
-    ps_gemm_rows_of(x, ldx, wp, K, y, ldy, mr, bias, ncols, k0, k1, ahead, 1);
+    ps_gemm_rows_of(x, ldx, wp, K, y, ldy, mr, bias, ncols, k0, k1, ahead, 1, 0);
 }
 
 /* The k slice of a call: all of K up to PS_GEMM_KC_MAX (every product of the models measured
@@ -234,6 +272,10 @@ static void ps_gemm_bf16_rows(const float *x, int64_t ldx, const float *wp, int6
 #ifndef PS_GEMM_KC
 #define PS_GEMM_KC 512
 #endif
+/* decode-sized calls (up to 64 rows) keep one pass: x fits L2 whole at any K there */
+static inline int64_t ps_gemm_kc(int64_t M, int64_t K) {
+    return K <= PS_GEMM_KC_MAX || M <= 64 ? K : PS_GEMM_KC;
+}
 
 /* The requests for the block after panels [b0, b1) of a thread's [p0, p1): its panels spread
  * over the k steps of all the current block's tiles; with ``wrap`` (another row chunk
@@ -256,11 +298,12 @@ static ps_gemm_ahead ps_gemm_next_block(const float *wp, int64_t K, int64_t b0, 
  * PS_GEMM_BLOCK_BYTES, each read from memory once per slice and reused from L2 by every row
  * tile. The last panel of an N that is not a multiple of NR has no room for partial sums in
  * y: it runs the whole K in the first slice. ``next``: 0 no requests ahead, 1 the next
- * block, 2 also the first block after the last. */
+ * block, 2 also the first block after the last. ``glu`` (NULL: none): a GLU call's outputs
+ * (ps_gemm_f32_glu; N is then its outputs, y its partial sums, whole panels wide). */
 static void ps_gemm_block_rows(const float *x, int64_t M, int64_t K, int64_t ldx,
                                const float *wp, int64_t N, const float *bias, float *y,
                                int64_t ldy, int64_t p0, int64_t p1, int64_t kc, int next,
-                               int bf16) {
+                               int bf16, const ps_gemm_glu *glu) {
     const int64_t panel_floats = K * PS_GEMM_NR;
     int64_t per_block = PS_GEMM_BLOCK_BYTES / (kc * PS_GEMM_NR * (int64_t)sizeof(float));
     if (per_block < 1) per_block = 1;
@@ -279,17 +322,24 @@ static void ps_gemm_block_rows(const float *x, int64_t M, int64_t K, int64_t ldx
                 const int64_t mr = M / tiles + (ti < M % tiles);
                 for (int64_t p = b0; p < b1; ++p) {
                     const int64_t c0 = p * PS_GEMM_NR;
-                    const int64_t ncols = N - c0 < PS_GEMM_NR ? N - c0 : PS_GEMM_NR;
-                    const int whole = ncols < PS_GEMM_NR;
+                    /* a GLU panel: PS_WIDE_LANES outputs (gate and up columns side by side) */
+                    const int64_t cw = glu ? PS_WIDE_LANES : PS_GEMM_NR, o0 = p * cw;
+                    const int64_t ncols = N - o0 < cw ? N - o0 : cw;
+                    const int whole = !glu && ncols < PS_GEMM_NR;
                     if (whole && k0 > 0) continue;
                     /* a direct call each (the float32 one inlined here, as before) */
                     const float *xt = x + m0 * ldx, *wt = wp + p * panel_floats;
                     const int64_t kt = whole ? K : k1;
-                    float *yt = y + m0 * ldy + c0;
+                    float *yt = y ? y + m0 * ldy + c0 : 0;
                     const float *bt = bias ? bias + c0 : 0;
-                    if (PS_GEMM_HAS_BF16 && bf16)
+                    if (PS_GEMM_HAS_BF16 && bf16) {
                         ps_gemm_bf16_rows(xt, ldx, wt, K, yt, ldy, mr, bt, ncols, k0, kt, &ahead);
-                    else ps_gemm_rows(xt, ldx, wt, K, yt, ldy, mr, bt, ncols, k0, kt, &ahead);
+                    } else if (glu) {
+                        const ps_gemm_glu g = {glu->out + m0 * glu->ldo + o0, glu->ldo};
+                        ps_gemm_rows(xt, ldx, wt, K, yt, ldy, mr, bt, ncols, k0, kt, &ahead, &g);
+                    } else {
+                        ps_gemm_rows(xt, ldx, wt, K, yt, ldy, mr, bt, ncols, k0, kt, &ahead, 0);
+                    }
                 }
                 m0 += mr;
             }
@@ -302,16 +352,18 @@ static void ps_gemm_block_rows(const float *x, int64_t M, int64_t K, int64_t ldx
  * oneDNN). */
 static void ps_gemm_panels(const float *x, int64_t M, int64_t K, int64_t ldx, const float *wp,
                            int64_t N, const float *bias, float *y, int64_t ldy, int64_t p0,
-                           int64_t p1, int bf16) {
-    /* decode-sized calls (up to 64 rows) keep one pass: x fits L2 whole at any K there */
-    const int64_t kc = K <= PS_GEMM_KC_MAX || M <= 64 ? K : PS_GEMM_KC;
+                           int64_t p1, int bf16, const ps_gemm_glu *glu) {
+    const int64_t kc = ps_gemm_kc(M, K);
     const int ahead = PS_GEMM_NEXT && M <= PS_GEMM_NEXT_ROWS;
     int64_t chunk = PS_GEMM_X_BYTES / (kc * (int64_t)sizeof(float)) / PS_GEMM_MR * PS_GEMM_MR;
     if (chunk < PS_GEMM_MR) chunk = PS_GEMM_MR;
     for (int64_t m0 = 0; m0 < M; m0 += chunk) {
         const int64_t mc = M - m0 < chunk ? M - m0 : chunk;
-        ps_gemm_block_rows(x + m0 * ldx, mc, K, ldx, wp, N, bias, y + m0 * ldy, ldy, p0, p1,
-                           kc, ahead ? (m0 + mc < M ? 2 : 1) : 0, bf16);
+        const ps_gemm_glu g = glu ? (ps_gemm_glu){glu->out + m0 * glu->ldo, glu->ldo}
+                                  : (ps_gemm_glu){0, 0};
+        ps_gemm_block_rows(x + m0 * ldx, mc, K, ldx, wp, N, bias, y ? y + m0 * ldy : 0, ldy,
+                           p0, p1, kc, ahead ? (m0 + mc < M ? 2 : 1) : 0, bf16,
+                           glu ? &g : 0);
     }
 }
 
@@ -335,8 +387,9 @@ static inline void ps_gemm_member(int64_t *t, int64_t *nt) {
 /* Each thread takes a contiguous run of panels (the weights are read once in all). */
 static void ps_gemm_threads(const float *x, int64_t M, int64_t K, int64_t ldx, const float *wp,
                             int64_t N, const float *bias, float *y, int64_t ldy, int32_t threads,
-                            int bf16) {
-    const int64_t panels = (N + PS_GEMM_NR - 1) / PS_GEMM_NR;
+                            int bf16, const ps_gemm_glu *glu) {
+    const int64_t cw = glu ? PS_WIDE_LANES : PS_GEMM_NR; /* outputs per panel */
+    const int64_t panels = (N + cw - 1) / cw;
     if (M <= 0 || panels <= 0) return;
     threads = ps_gemm_team_size(threads, panels);
 #pragma omp parallel num_threads(threads) if (threads > 1)
@@ -344,7 +397,7 @@ static void ps_gemm_threads(const float *x, int64_t M, int64_t K, int64_t ldx, c
         int64_t t, nt;
         ps_gemm_member(&t, &nt);
         const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
-        ps_gemm_panels(x, M, K, ldx, wp, N, bias, y, ldy, p0, p1, bf16);
+        ps_gemm_panels(x, M, K, ldx, wp, N, bias, y, ldy, p0, p1, bf16, glu);
     }
 }
 
@@ -352,7 +405,35 @@ static void ps_gemm_threads(const float *x, int64_t M, int64_t K, int64_t ldx, c
  * or [N] floats; y: [M, N] rows ldy apart. */
 void ps_gemm_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const float *wp, int64_t N,
                  const float *bias, float *y, int64_t ldy, int32_t threads) {
-    ps_gemm_threads(x, M, K, ldx, wp, N, bias, y, ldy, threads, 0);
+    ps_gemm_threads(x, M, K, ldx, wp, N, bias, y, ldy, threads, 0, 0);
+}
+
+/*
+ * A gated unit in one call (SwiGLU's first half): out = silu(x @ G^T + bg) * (x @ U^T + bu),
+ * out [M, I] rows ldo apart, with G and U packed together (``NativeGemm.pack_glu``): panel p
+ * holds gate rows [p * L, p * L + L) in its first L columns and the same rows of U in its last
+ * L (L = PS_WIDE_LANES, so a tile's two vectors per row are one output vector's gate and up);
+ * columns past I are zero. bias: NULL or the biases in that interleaved, padded order.
+ *
+ * Why: the fused gate/up product wrote [M, 2I] floats that the SwiGLU pass then read back to
+ * write [M, I]: at a 2048-row prefill chunk 25-37 MB a layer each way for the bench model and
+ * SmolLM2 (past the L2), and one more call a layer. Here each tile's sums go through the
+ * activation while in registers. Each output is the same sum over k as in ps_gemm_f32, then
+ * the same silu arithmetic as the fused pass (ps_wsilu; this file is built with FMA
+ * contraction, so the exp's polynomial may round differently: float32 rounding only).
+ *
+ * partial: NULL where ps_gemm_glu_partial(M, K) is 0, else [M, panels * 2L] floats for the
+ * sums of a K too long for one slice (ps_gemm_kc), carried between slices as ps_gemm_f32 does
+ * in y.
+ */
+int ps_gemm_glu_partial(int64_t M, int64_t K) { return ps_gemm_kc(M, K) < K; }
+
+void ps_gemm_f32_glu(const float *x, int64_t M, int64_t K, int64_t ldx, const float *wp,
+                     int64_t I, const float *bias, float *out, int64_t ldo, float *partial,
+                     int32_t threads) {
+    const ps_gemm_glu g = {out, ldo};
+    const int64_t ldp = (I + PS_WIDE_LANES - 1) / PS_WIDE_LANES * PS_GEMM_NR;
+    ps_gemm_threads(x, M, K, ldx, wp, I, bias, partial, ldp, threads, 0, &g);
 }
 
 /*
@@ -381,7 +462,7 @@ int ps_gemm_bf16_available(void) { return 1; }
 void ps_gemm_bf16(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *wp,
                   int64_t N, const float *bias, float *y, int64_t ldy, int32_t threads) {
     ps_gemm_threads((const float *)x, M, K / 2, ldx / 2, (const float *)wp, N, bias, y, ldy,
-                    threads, 1);
+                    threads, 1, 0);
 }
 #else
 int ps_gemm_bf16_available(void) { return 0; }

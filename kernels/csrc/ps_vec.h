@@ -85,6 +85,20 @@ typedef int32_t vwsi __attribute__((vector_size(PS_WIDE_LANES * 4)));
 PS_DEFINE_EXP(ps_exp8, v8sf, v8si, ps_splat)
 PS_DEFINE_EXP(ps_wexp, vwsf, vwsi, ps_wsplat)
 
+/* exp(x) for any x: clamped above to 88.3 (below, ps_exp8 / ps_wexp clamp at -87.3); one
+ * definition for both vector types. */
+#define PS_DEFINE_EXP_ANY(name, exp, vf, vi, splat)                                         \
+    static inline vf name(vf x) {                                                           \
+        const vf hi = splat(88.3f);                                                         \
+        const vi above = x > hi;                                                            \
+        return exp((vf)(((vi)x & ~above) | ((vi)hi & above)));                              \
+    }
+PS_DEFINE_EXP_ANY(ps_exp8_any, ps_exp8, v8sf, v8si, ps_splat)
+PS_DEFINE_EXP_ANY(ps_wexp_any, ps_wexp, vwsf, vwsi, ps_wsplat)
+
+/* silu(g) = g / (1 + exp(-g)), lane-wise (the fused SwiGLU's and the GEMM's GLU epilogue's) */
+static inline vwsf ps_wsilu(vwsf g) { return g / (ps_wsplat(1.0f) + ps_wexp_any(-g)); }
+
 /* The sum of 8 lanes (a shuffle tree, pairwise), and of a wide vector's lanes. */
 static inline float ps_v8sum(v8sf f) {
     f += __builtin_shufflevector(f, f, 4, 5, 6, 7, 0, 1, 2, 3);

@@ -107,7 +107,10 @@ class CausalLM(nn.Module):
         for layer in self.layers:
             targets += [(layer.attn, "qkv_weight"), (layer.attn, "o_weight")]
             targets += [(layer.mlp, "gate_up_weight"), (layer.mlp, "down_weight")]
-        return sum(swap_for_packed(module, name, bf16) for module, name in targets)
+        return sum(
+            swap_for_packed(module, name, bf16, glu=name == "gate_up_weight")
+            for module, name in targets
+        )
 
     def _layer_target(self, layer: DecoderLayer, name: str) -> tuple[torch.Tensor, int, int] | None:
         """(parameter, first row, end row) that the checkpoint tensor ``name`` of a layer fills."""

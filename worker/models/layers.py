@@ -171,11 +171,14 @@ def _onednn_linear(
 
 
 def pack_weight(
-    weight: torch.Tensor, bf16: bool = False
+    weight: torch.Tensor, bf16: bool = False, glu: bool = False
 ) -> torch.Tensor | PanelWeight | Bf16Weight | None:
     """A float32 CPU projection weight packed for the C GEMM (:mod:`kernels.gemm`, where
     ``PAGEDSERVE_NATIVE_GEMM`` selects it) or else in oneDNN's blocked layout; with ``bf16``
     rounded to bfloat16 for oneDNN (:class:`Bf16Weight`); None where none of these applies.
+    ``glu``: a fused gate/up weight, packed for the C GEMM's SwiGLU product where it is the
+    float32 path (:meth:`~kernels.gemm.NativeGemm.pack_glu`: ``linear`` then returns
+    ``silu(gate) * up``), else as any other.
 
     Why the C GEMM: oneDNN ran the engine's decode-sized products (8-64 rows) at 9-54 GFLOP/s
     on a Zen 3 EPYC, streaming cold weights at 3-6 GB/s; on a Zen 5 one it ran them at 0.55-0.95x
@@ -193,7 +196,7 @@ def pack_weight(
         return Bf16Weight.pack(weight)
     gemm = native_gemm.for_packing()
     if gemm is not None:
-        return gemm.pack(weight)
+        return gemm.pack_glu(weight) if glu else gemm.pack(weight)
     return pack_for_onednn(weight)
 
 
@@ -205,10 +208,11 @@ def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
     return _ONEDNN_REORDER(weight.detach())
 
 
-def swap_for_packed(module: nn.Module, name: str, bf16: bool = False) -> bool:
+def swap_for_packed(module: nn.Module, name: str, bf16: bool = False, glu: bool = False) -> bool:
     """Replace the weight parameter ``module.<name>`` by its packed form (the plain copy is freed
-    unless something else holds it, e.g. tied embeddings). False where packing is unavailable."""
-    packed = pack_weight(getattr(module, name), bf16)
+    unless something else holds it, e.g. tied embeddings). False where packing is unavailable.
+    ``glu``: see :func:`pack_weight`."""
+    packed = pack_weight(getattr(module, name), bf16, glu)
     if packed is None:
         return False
     delattr(module, name)
@@ -280,6 +284,10 @@ class GatedMLP(nn.Module):
         self.intermediate_size = inter
 
     def forward(self, x: torch.Tensor, fused: FusedOps | None = None) -> torch.Tensor:
+        if isinstance(self.gate_up_weight, PanelWeight) and self.gate_up_weight.glu:
+            # silu(gate) * up in the product itself (kernels/gemm.py ``pack_glu``)
+            act = linear(x, self.gate_up_weight, self.gate_up_bias)
+            return linear(act, self.down_weight, self.down_bias)
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias)
         if fused is not None and gate_up.dim() == 2:  # silu(gate) * up in one pass
             act = fused.silu_mul(gate_up, self.intermediate_size)
