@@ -17,8 +17,12 @@ JSON line: per case each build's median ms and GFLOP/s, ``ours/base`` and ``cont
 speeds, and whether ours and the control give outputs bit-identical to the base's (the
 kernel's sums are in a fixed order: a change in blocking or code layout keeps them).
 
+``--swiglu``: the gate/up products end in SwiGLU, as the engine runs them: a tree whose binding
+has ``pack_glu`` packs them for its SwiGLU product, one without multiplies and then runs the
+fused SwiGLU pass (:mod:`kernels.fused`); GFLOP/s still count the products alone.
+
     python -m bench.gemm_ab --base /tmp/base [--rounds 7] [--rows 2048] [--cold-rows 16,64]
-        [--layers 30] [--bf16 [--no-amx]] [--flags=-mno-avx512f]
+        [--layers 30] [--bf16 [--no-amx]] [--swiglu] [--flags=-mno-avx512f]
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch
 
 from bench.common import ab_builds, ab_rounds, add_ab_arguments, emit, tree_module
 from bench.gemm_libs import MODELS
+from kernels import fused
 from kernels.gemm import NativeGemm, PanelWeight
 
 HOT_SHAPES = ("qkv", "gate_up", "down")
@@ -64,35 +69,70 @@ def cases(rows: list[int], cold_rows: list[int], layers: int) -> list[Case]:
                   for m in cold_rows]  # fmt: skip
 
 
+#: The fused gate/up shapes: with ``--swiglu`` their products end in SwiGLU.
+GATE_UP = {shapes["gate_up"] for shapes in MODELS.values()}
+
+
+@dataclass(frozen=True)
+class Product:
+    """One packed weight of a build, and with ``--swiglu`` on a gate/up shape whether the build
+    still needs the separate SwiGLU pass (a tree without ``NativeGemm.pack_glu``)."""
+
+    weight: PanelWeight
+    silu_after: bool = False
+
+    def __call__(self, xs: dict[int, torch.Tensor]) -> torch.Tensor:
+        y = self.weight.matmul(xs[self.weight.in_features])
+        if self.silu_after:
+            ops = fused.load()
+            assert ops is not None, "--swiglu needs the fused ops library"
+            y = ops.silu_mul(y, y.shape[1] // 2)
+        return y
+
+
 def pack_all(
-    libs: dict[str, NativeGemm], case: Case, bf16: bool, amx: bool | None
-) -> dict[str, list[PanelWeight]]:
-    """Each build's packing of the same seeded weights (one at a time: no float32 copies kept)."""
+    libs: dict[str, NativeGemm], case: Case, bf16: bool, amx: bool | None, swiglu: bool = False
+) -> dict[str, list[Product]]:
+    """Each build's packing of the same seeded weights (one at a time: no float32 copies kept).
+    ``swiglu``: gate/up weights packed for the build's SwiGLU product where it has one
+    (``pack_glu``), else multiplied and then passed through the fused SwiGLU op, as that
+    tree's engine ran them (float32 only)."""
     gen = torch.Generator().manual_seed(0)
-    packed: dict[str, list[PanelWeight]] = {name: [] for name in libs}
+    packed: dict[str, list[Product]] = {name: [] for name in libs}
     for n, k in case.shapes:
         w = torch.randn(n, k, generator=gen) * k**-0.5
+        glu = swiglu and (n, k) in GATE_UP
         for name, lib in libs.items():
-            packed[name].append(lib.pack_bf16(w, amx) if bf16 else lib.pack(w))
+            if bf16:
+                packed[name].append(Product(lib.pack_bf16(w, amx)))
+            elif glu and hasattr(lib, "pack_glu"):
+                packed[name].append(Product(lib.pack_glu(w)))
+            else:
+                packed[name].append(Product(lib.pack(w), silu_after=glu))
     return packed
 
 
 def run_once(
-    weights: list[PanelWeight], xs: dict[int, torch.Tensor], repeats: int
+    products: list[Product], xs: dict[int, torch.Tensor], repeats: int
 ) -> tuple[float, torch.Tensor]:
-    """Seconds per pass over ``weights``, and the last pass's outputs (flattened, in order)."""
+    """Seconds per pass over ``products``, and the last pass's outputs (flattened, in order)."""
     outs: list[torch.Tensor] = []
     t0 = time.perf_counter()
     for _ in range(repeats):
-        outs = [w.matmul(xs[w.in_features]) for w in weights]
+        outs = [product(xs) for product in products]
     seconds = (time.perf_counter() - t0) / repeats
     return seconds, torch.cat([y.flatten() for y in outs])
 
 
 def compare(
-    libs: dict[str, NativeGemm], case: Case, rounds: int, bf16: bool, amx: bool | None
+    libs: dict[str, NativeGemm],
+    case: Case,
+    rounds: int,
+    bf16: bool,
+    amx: bool | None,
+    swiglu: bool = False,
 ) -> dict[str, object]:
-    packed = pack_all(libs, case, bf16, amx)
+    packed = pack_all(libs, case, bf16, amx, swiglu)
     gen = torch.Generator().manual_seed(1)
     xs = {k: torch.randn(case.rows, k, generator=gen) for k in {k for _, k in case.shapes}}
     runs = {name: partial(run_once, packed[name], xs, case.repeats) for name in libs}
@@ -107,9 +147,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layers", type=int, default=30, help="SmolLM2 layers of a cold pass")
     ap.add_argument("--bf16", action="store_true", help="bfloat16 panels (AVX512-BF16 / AMX)")
     ap.add_argument("--no-amx", action="store_true", help="--bf16 through vdpbf16ps on AMX CPUs")
+    ap.add_argument(
+        "--swiglu",
+        action="store_true",
+        help="gate/up products end in SwiGLU (pack_glu where a tree has it)",
+    )
     args = ap.parse_args(argv)
     if args.no_amx and not args.bf16:
         ap.error("--no-amx picks a bfloat16 path: give --bf16 too")
+    if args.swiglu and args.bf16:
+        ap.error("--swiglu is the float32 SwiGLU product: not with --bf16")
     torch.set_num_threads(args.threads)
     base_gemm = tree_module(args.base, "kernels/gemm.py", "_ab_base_gemm").NativeGemm
     libs = ab_builds("kernels/csrc/gemm.c", NativeGemm, args.base, args.flags, base_gemm)
@@ -119,10 +166,10 @@ def main(argv: list[str] | None = None) -> None:
     cold_rows = [int(r) for r in args.cold_rows.split(",") if r]
     todo = cases(rows, cold_rows, args.layers)
     amx = False if args.no_amx else None  # None: each build's own choice (its tiles if any)
-    results = [compare(libs, case, args.rounds, args.bf16, amx) for case in todo]
+    results = [compare(libs, case, args.rounds, args.bf16, amx, args.swiglu) for case in todo]
     emit("gemm_ab", {
         "base": str(args.base), "threads": args.threads, "rounds": args.rounds,
-        "layers": args.layers, "flags": args.flags, "bf16": args.bf16,
+        "layers": args.layers, "flags": args.flags, "bf16": args.bf16, "swiglu": args.swiglu,
         "amx": args.bf16 and not args.no_amx and libs["ours"].amx,
         "panel_width": libs["ours"].panel_width,
         "results": results,

@@ -19,6 +19,12 @@ ones within 5% (bench/README.md, a twenty-eighth session). Where the CPU also ha
 panels multiply on its tiles (``ps_gemm_bf16_amx``): on an Intel Xeon decode-sized products
 1.5-1.7x oneDNN's AMX kernels over cold weights, 2048-row ones at 0.93-0.98x (a thirtieth
 session).
+
+A model's fused gate/up weight is packed with :meth:`NativeGemm.pack_glu` instead: gate and up
+rows of the same outputs share each panel, and the product returns SwiGLU's ``silu(gate) * up``
+(``ps_gemm_f32_glu``), the activation applied to each tile's sums in registers, so the
+``[rows, 2 * inter]`` product is never written and read back (bit-identical to the product
+followed by the fused SwiGLU pass of :mod:`kernels.fused`).
 """
 
 from __future__ import annotations

@@ -471,30 +471,51 @@ def test_prefill_ab_times_three_builds_and_checks_their_outputs(
         assert got["bit_identical"] == {"ours": True, "control": True}
 
 
-@pytest.mark.parametrize("bf16", [(), ("--bf16",), ("--bf16", "--no-amx")], ids=str)
+@pytest.mark.parametrize("mode", [(), ("--bf16",), ("--bf16", "--no-amx"), ("--swiglu",)], ids=str)
 def test_gemm_ab_times_three_builds_and_checks_their_outputs(
-    bf16: tuple[str, ...], capsys: pytest.CaptureFixture[str]
+    mode: tuple[str, ...], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``bench.gemm_ab`` against this very tree: every hot and cold case timed for the three
     builds (ours, base, a control build of base), all three bit-identical (each output's sum is
     in a fixed order, whatever the code's placement); float32 panels, and bfloat16 ones where
-    the build has them (on an AMX CPU its tiles, and with ``--no-amx`` ``vdpbf16ps``)."""
+    the build has them (on an AMX CPU its tiles, and with ``--no-amx`` ``vdpbf16ps``), and with
+    ``--swiglu`` the gate/up products as SwiGLU products."""
     from bench import gemm_ab
     from kernels import gemm
 
     lib = gemm.load()
+    bf16 = "--bf16" in mode
     if lib is None or (bf16 and not lib.bf16):
         pytest.skip("no C GEMM here" if lib is None else "no AVX512-BF16 here")
     repo = Path(gemm_ab.__file__).resolve().parents[1]
     args = ["--base", str(repo), "--rounds", "1", "--layers", "1", "--threads", "1"]
-    gemm_ab.main([*args, "--rows", "40", "--cold-rows", "5", *bf16])
+    gemm_ab.main([*args, "--rows", "40", "--cold-rows", "5", *mode])
     rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [r["case"].split()[0] for r in rec["results"]] == ["hot"] * 6 + ["cold"]
-    assert rec["bf16"] is bool(bf16) and rec["amx"] is (bf16 == ("--bf16",) and lib.amx)
+    assert rec["bf16"] is bf16 and rec["amx"] is (mode == ("--bf16",) and lib.amx)
+    assert rec["swiglu"] is ("--swiglu" in mode)
     for got in rec["results"]:
         assert set(got["ms"]) == {"ours", "base", "control"} and min(got["ms"].values()) > 0
         assert min(got["gflops"].values()) > 0 and got["ours/base"] > 0
         assert got["bit_identical"] == {"ours": True, "control": True}
+
+
+def test_gemm_ab_swiglu_runs_a_tree_without_the_glu_product_as_two_passes() -> None:
+    """A base tree whose binding has no ``pack_glu`` runs its gate/up product and then the fused
+    SwiGLU pass, as its engine did: the same bits as this tree's SwiGLU product."""
+    import torch
+
+    from bench.gemm_ab import Product
+    from kernels import fused, gemm
+
+    lib = gemm.load()
+    if lib is None or fused.load() is None:
+        pytest.skip("no C GEMM or fused ops here")
+    gen = torch.Generator().manual_seed(8)
+    w, x = torch.randn(2 * 72, 64, generator=gen), torch.randn(9, 64, generator=gen)
+    two_pass = Product(lib.pack(w), silu_after=True)({64: x})
+    assert two_pass.shape == (9, 72)
+    assert torch.equal(two_pass, Product(lib.pack_glu(w))({64: x}))
 
 
 def test_service_bench_warms_every_system_then_times_rounds(

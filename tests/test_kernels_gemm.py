@@ -9,7 +9,8 @@ remainder), column counts that are not a multiple of a panel, with and without b
 runs float32 panels and, where the build has AVX512-BF16 (``--weight-dtype bfloat16``'s
 ``vdpbf16ps`` path), bfloat16 ones, and where the CPU also has AMX the same bfloat16 panels on
 its tiles (``ps_gemm_bf16_amx``: input widths in multiples of 32), against the float64 product
-of the rounded operands.
+of the rounded operands. The SwiGLU product (``pack_glu``, float32) is checked against float64
+and, bit for bit, against the plain product followed by the fused SwiGLU pass.
 """
 
 from __future__ import annotations
@@ -266,3 +267,91 @@ def test_switch_selects_the_packing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PAGEDSERVE_NATIVE_GEMM", "auto")
     assert native_gemm.load() is not None
     assert isinstance(pack_weight(weight), native_gemm.PanelWeight)
+
+
+def silu_mul_reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """float64 ``silu(x @ gate.T + bg) * (x @ up.T + bu)`` for a stacked gate/up weight."""
+    y = x.double() @ w.double().T
+    if b is not None:
+        y = y + b.double()
+    gate, up = y.chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).float()
+
+
+@pytest.mark.parametrize("rows", [1, 5, 13, 64, 97, 300])
+@pytest.mark.parametrize("inter_in", [(8, 24), (40, 96), (100, 576), (1536, 512), (24, 2000)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_glu_product_is_silu_gate_times_up(
+    gemm: native_gemm.NativeGemm, rows: int, inter_in: tuple[int, int], with_bias: bool
+) -> None:
+    """``pack_glu`` + ``matmul``: SwiGLU's ``silu(gate) * up`` from one product, against float64,
+    for intermediate sizes that leave a last panel half-empty (8, 40, 100), a K long enough to
+    run in slices through partial sums at 97 and 300 rows (2000), with and without bias; and
+    bit for bit what the plain product followed by the fused SwiGLU pass gives (the same sums,
+    the same activation arithmetic), so packing the weight this way changes no token."""
+    from kernels import fused
+
+    inter, k = inter_in
+    gen = torch.Generator().manual_seed(rows * 31 + inter)
+    w = torch.randn(2 * inter, k, generator=gen) * k**-0.5
+    b = torch.randn(2 * inter, generator=gen) if with_bias else None
+    x = torch.randn(rows, k, generator=gen)
+    packed = gemm.pack_glu(w)
+    assert packed.glu and packed.out_features == inter and packed.shape == (2 * inter, k)
+    got = packed.matmul(x, b)
+    assert got.shape == (rows, inter) and got.dtype == torch.float32
+    torch.testing.assert_close(got, silu_mul_reference(x, w, b), rtol=1e-5, atol=1e-5)
+    ops = fused.load()
+    if ops is not None:
+        two_pass = ops.silu_mul(gemm.pack(w).matmul(x, b), inter)
+        assert torch.equal(got, two_pass)
+
+
+def test_glu_rows_do_not_depend_on_the_batch(gemm: native_gemm.NativeGemm) -> None:
+    gen = torch.Generator().manual_seed(2)
+    packed = gemm.pack_glu(torch.randn(2 * 200, 192, generator=gen))
+    x = torch.randn(37, 192, generator=gen)
+    batch = packed.matmul(x)
+    for r in (0, 5, 36):
+        assert torch.equal(packed.matmul(x[r : r + 1]), batch[r : r + 1])
+    x3 = x.reshape(1, 37, 192)
+    assert torch.equal(packed.matmul(x3).reshape(37, 200), batch)
+
+
+def test_glu_bad_inputs_are_refused(gemm: native_gemm.NativeGemm) -> None:
+    with pytest.raises(ValueError, match="even number of rows"):
+        gemm.pack_glu(torch.randn(7, 4))
+    with pytest.raises(ValueError, match="float32"):
+        gemm.pack_glu(torch.randn(8, 4, dtype=torch.float64))
+    packed = gemm.pack_glu(torch.randn(8, 4))
+    with pytest.raises(ValueError):
+        packed.matmul(torch.randn(3, 5))
+    with pytest.raises(ValueError, match="gate and up"):
+        packed.matmul(torch.randn(3, 4), torch.randn(4))
+
+
+@pytest.mark.parametrize("mlp_bias", [False, True])
+def test_the_mlp_runs_swiglu_in_the_product_once_packed_for_it(mlp_bias: bool) -> None:
+    """``pack_weights`` packs each layer's fused gate/up weight with ``pack_glu`` where the C
+    GEMM is the float32 path; ``GatedMLP`` then takes ``silu(gate) * up`` from the product and
+    gives what it gave with the plain weight (the model-level parity suites check tokens)."""
+    from worker.models.config import ModelConfig
+    from worker.models.layers import GatedMLP, swap_for_packed
+
+    if native_gemm.for_packing() is None:
+        pytest.skip("the C GEMM is not the float32 path here")
+    cfg = ModelConfig(
+        family="llama", architecture="LlamaForCausalLM", num_layers=1, num_heads=4,
+        num_kv_heads=2, head_dim=12, hidden_size=48, intermediate_size=40, vocab_size=64,
+        max_position_embeddings=64, rms_norm_eps=1e-6, dtype=torch.float32, mlp_bias=mlp_bias,
+    )  # fmt: skip
+    mlp = GatedMLP(cfg, "cpu")
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    x = torch.randn(9, 48, generator=gen)
+    plain = mlp(x)
+    assert swap_for_packed(mlp, "gate_up_weight", glu=True)
+    assert isinstance(mlp.gate_up_weight, native_gemm.PanelWeight) and mlp.gate_up_weight.glu
+    torch.testing.assert_close(mlp(x), plain, rtol=1e-5, atol=1e-5)

@@ -109,7 +109,7 @@ static inline vwsf ps_wbcast(const float *p) {
  * glu->out. Out of line and without FMA contraction (the rest of this file contracts): the
  * same arithmetic, rounding for rounding, as ps_silu_mul_f32 in fused_ops.c (built with
  * -ffp-contract=off), so the fused product gives the bits the two passes gave. */
-__attribute__((noinline, optimize("fp-contract=off"))) static void ps_gemm_glu_rows(
+__attribute__((noinline, optimize("fp-contract=off"))) static void ps_gemm_glu_store(
     const float (*sums)[PS_GEMM_NR], int mr, const ps_gemm_glu *glu, int64_t ncols) {
     for (int i = 0; i < mr; ++i) {
         const vwsf o = ps_wsilu(ps_wload(sums[i])) * ps_wload(sums[i] + PS_WIDE_LANES);
@@ -143,7 +143,9 @@ __attribute__((noinline, optimize("fp-contract=off"))) static void ps_gemm_glu_r
  * step each column's (W[c][k], W[c][k + 1]), and vdpbf16ps adds both products per column.
  * nxt (also a constant): whether the loop carries the next block's requests (``ahead``); a
  * tile with none left is compiled without them, since at 12 rows their registers pushed row
- * pointers of x out to the stack and into vector registers, moves beside every k step's FMAs. */
+ * pointers of x out to the stack and into vector registers, moves beside every k step's FMAs.
+ * glu (NULL, or a GLU call's outputs: ps_gemm_f32_glu): the last k slice's sums (+ bias) go
+ * out as silu(gate) * up, ncols outputs a row; earlier slices' partial sums to y as usual. */
 static inline __attribute__((always_inline)) void ps_gemm_tile(
     const float *x, int64_t ldx, const float *wp, int64_t K, float *y, int64_t ldy,
     const int mr, const float *bias, int64_t ncols, int64_t k0, int64_t k1,
@@ -204,7 +206,7 @@ static inline __attribute__((always_inline)) void ps_gemm_tile(
         float sums[PS_GEMM_MR][PS_GEMM_NR] __attribute__((aligned(64)));
         for (int i = 0; i < mr; ++i)
             for (int j = 0; j < PS_GEMM_NRV; ++j) ps_wstore(sums[i] + j * PS_WIDE_LANES, acc[i][j]);
-        ps_gemm_glu_rows(sums, mr, glu, ncols);
+        ps_gemm_glu_store(sums, mr, glu, ncols);
         return;
     }
     if (glu || ncols == PS_GEMM_NR) { /* a GLU call's partial sums: whole panels wide */
@@ -222,14 +224,14 @@ static inline __attribute__((always_inline)) void ps_gemm_tile(
 static inline __attribute__((always_inline)) void ps_gemm_rows_of(
     const float *x, int64_t ldx, const float *wp, int64_t K, float *y, int64_t ldy, int64_t mr,
     const float *bias, int64_t ncols, int64_t k0, int64_t k1, ps_gemm_ahead *ahead,
-    const int bf16, const ps_gemm_glu *glu) {
+    const int bf16, const int is_glu, const ps_gemm_glu *glu) {
     const int nxt = ahead->left > 0; /* lines still to request (ps_gemm_tile's nxt) */
     switch (mr) {
 #define PS_GEMM_CASE(n) \
     case n:                                                                                \
-        if (glu && nxt)                                                                    \
+        if (is_glu && nxt)                                                                 \
             ps_gemm_tile(x, ldx, wp, K, y, ldy, n, bias, ncols, k0, k1, ahead, 0, 1, glu); \
-        else if (glu)                                                                      \
+        else if (is_glu)                                                                   \
             ps_gemm_tile(x, ldx, wp, K, y, ldy, n, bias, ncols, k0, k1, ahead, 0, 0, glu); \
         else if (nxt)                                                                      \
             ps_gemm_tile(x, ldx, wp, K, y, ldy, n, bias, ncols, k0, k1, ahead, bf16, 1, 0);\
@@ -248,8 +250,17 @@ static inline __attribute__((always_inline)) void ps_gemm_rows_of(
 
 static void ps_gemm_rows(const float *x, int64_t ldx, const float *wp, int64_t K, float *y,
                          int64_t ldy, int64_t mr, const float *bias, int64_t ncols, int64_t k0,
-                         int64_t k1, ps_gemm_ahead *ahead, const ps_gemm_glu *glu) {
-    ps_gemm_rows_of(x, ldx, wp, K, y, ldy, mr, bias, ncols, k0, k1, ahead, 0, glu);
+                         int64_t k1, ps_gemm_ahead *ahead) {
+    ps_gemm_rows_of(x, ldx, wp, K, y, ldy, mr, bias, ncols, k0, k1, ahead, 0, 0, 0);
+}
+
+/* The same with a GLU call's epilogue (ps_gemm_f32_glu), in a function of its own: with both
+ * in one, the plain products ran 7-8% slower at 2048 rows (bench model down, SmolLM2 qkv). */
+static void ps_gemm_rows_glu(const float *x, int64_t ldx, const float *wp, int64_t K, float *y,
+                             int64_t ldy, int64_t mr, const float *bias, int64_t ncols,
+                             int64_t k0, int64_t k1, ps_gemm_ahead *ahead,
+                             const ps_gemm_glu *glu) {
+    ps_gemm_rows_of(x, ldx, wp, K, y, ldy, mr, bias, ncols, k0, k1, ahead, 0, 1, glu);
 }
 
 /* bfloat16 panels (ps_gemm_bf16, below): both layouts step 4-byte elements of x and
@@ -257,7 +268,7 @@ static void ps_gemm_rows(const float *x, int64_t ldx, const float *wp, int64_t K
 static void ps_gemm_bf16_rows(const float *x, int64_t ldx, const float *wp, int64_t K, float *y,
                               int64_t ldy, int64_t mr, const float *bias, int64_t ncols,
                               int64_t k0, int64_t k1, ps_gemm_ahead *ahead) {
-    ps_gemm_rows_of(x, ldx, wp, K, y, ldy, mr, bias, ncols, k0, k1, ahead, 1, 0);
+    ps_gemm_rows_of(x, ldx, wp, K, y, ldy, mr, bias, ncols, k0, k1, ahead, 1, 0, 0);
 }
 
 /* The k slice of a call: all of K up to PS_GEMM_KC_MAX (every product of the models measured
@@ -336,9 +347,10 @@ static void ps_gemm_block_rows(const float *x, int64_t M, int64_t K, int64_t ldx
                         ps_gemm_bf16_rows(xt, ldx, wt, K, yt, ldy, mr, bt, ncols, k0, kt, &ahead);
                     } else if (glu) {
                         const ps_gemm_glu g = {glu->out + m0 * glu->ldo + o0, glu->ldo};
-                        ps_gemm_rows(xt, ldx, wt, K, yt, ldy, mr, bt, ncols, k0, kt, &ahead, &g);
+                        ps_gemm_rows_glu(xt, ldx, wt, K, yt, ldy, mr, bt, ncols, k0, kt, &ahead,
+                                         &g);
                     } else {
-                        ps_gemm_rows(xt, ldx, wt, K, yt, ldy, mr, bt, ncols, k0, kt, &ahead, 0);
+                        ps_gemm_rows(xt, ldx, wt, K, yt, ldy, mr, bt, ncols, k0, kt, &ahead);
                     }
                 }
                 m0 += mr;
