@@ -25,6 +25,7 @@
  */
 #include <stdint.h>
 #include <string.h>
+#include <unistd.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -359,9 +360,25 @@ static void ps_gemm_block_rows(const float *x, int64_t M, int64_t K, int64_t ldx
     }
 }
 
+/* Bytes of this core's L2 (0 where the C library cannot tell). */
+static int64_t ps_gemm_l2_bytes(void) {
+    static int64_t bytes = -1; /* every thread finds the same value: a benign race */
+    if (bytes < 0) {
+        const long s = sysconf(_SC_LEVEL2_CACHE_SIZE);
+        bytes = s > 0 ? s : 0;
+    }
+    return bytes;
+}
+
 /* Rows in chunks whose k slice of x fits PS_GEMM_X_BYTES beside the weight block (a 2048-row
  * prefill's x is megabytes: re-read from L3 for every weight block it ran ~15% slower than
- * oneDNN). */
+ * oneDNN); a call of up to PS_GEMM_ONE_PASS_ROWS rows whose x fits half the L2 goes in one
+ * chunk. Why: each chunk walks all of the thread's panels, so a decode step of 33-128 rows cut
+ * into 32-row chunks (K 1536: the down projections) read its weights 2-4 times, from memory
+ * once they are cold. */
+#ifndef PS_GEMM_ONE_PASS_ROWS
+#define PS_GEMM_ONE_PASS_ROWS 128
+#endif
 static void ps_gemm_panels(const float *x, int64_t M, int64_t K, int64_t ldx, const float *wp,
                            int64_t N, const float *bias, float *y, int64_t ldy, int64_t p0,
                            int64_t p1, int bf16, const ps_gemm_glu *glu) {
@@ -369,6 +386,8 @@ static void ps_gemm_panels(const float *x, int64_t M, int64_t K, int64_t ldx, co
     const int ahead = PS_GEMM_NEXT && M <= PS_GEMM_NEXT_ROWS;
     int64_t chunk = PS_GEMM_X_BYTES / (kc * (int64_t)sizeof(float)) / PS_GEMM_MR * PS_GEMM_MR;
     if (chunk < PS_GEMM_MR) chunk = PS_GEMM_MR;
+    if (M <= PS_GEMM_ONE_PASS_ROWS && M * kc * (int64_t)sizeof(float) <= ps_gemm_l2_bytes() / 2)
+        chunk = M;
     for (int64_t m0 = 0; m0 < M; m0 += chunk) {
         const int64_t mc = M - m0 < chunk ? M - m0 : chunk;
         const ps_gemm_glu g = glu ? (ps_gemm_glu){glu->out + m0 * glu->ldo, glu->ldo}
@@ -514,7 +533,6 @@ void ps_gemm_bf16(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const ui
 #if PS_GEMM_HAS_BF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define PS_GEMM_HAS_AMX 1
 #include <sys/syscall.h>
-#include <unistd.h>
 #else
 #define PS_GEMM_HAS_AMX 0
 #endif
