@@ -1,5 +1,6 @@
 """Fused elementwise layer ops in C (``kernels/csrc/fused_ops.c``): SwiGLU, residual+RMSNorm,
-rope+KV write, for float32 tensors on the CPU (the KV write also into bfloat16 caches).
+rope+KV write, for float32 tensors on the CPU (the KV write also into bfloat16 caches), and the
+greedy sampler's row-wise argmax.
 
 Built and cached like the decode kernel (:func:`kernels.native.build`, same compiler, cache
 and ``PAGEDSERVE_NATIVE_KERNELS=0`` switch; ``PAGEDSERVE_FUSED_OPS=0`` turns off only these)
@@ -43,6 +44,8 @@ class FusedOps:
         for fn in (lib.ps_silu_mul_f32, lib.ps_add_rms_norm_f32, lib.ps_rope_kv_f32,
                    lib.ps_rope_kv_bf16):  # fmt: skip
             fn.restype = None
+        lib.ps_argmax_f32.argtypes = [_P, _I64, _I64, _I64, _P, _I32]
+        lib.ps_argmax_f32.restype = ctypes.c_int
         self._lib = lib
         #: the caches' dtypes :meth:`rope_kv` writes into
         self._rope_kv = {torch.float32: lib.ps_rope_kv_f32, torch.bfloat16: lib.ps_rope_kv_bf16}
@@ -51,6 +54,22 @@ class FusedOps:
     def supports(*tensors: torch.Tensor) -> bool:
         """float32 CPU tensors (what every method here takes)."""
         return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+
+    def argmax(self, logits: torch.Tensor) -> list[int]:
+        """``torch.argmax(logits, dim=-1).tolist()`` for float32 ``[rows, vocab]`` logits with
+        contiguous rows (the first position of each row's maximum; torch answers for rows with
+        NaN, which it counts as the largest)."""
+        if logits.dim() != 2 or logits.stride(1) != 1 or logits.shape[1] == 0:
+            raise ValueError("logits must be [rows, vocab > 0] with contiguous rows")
+        rows, vocab = logits.shape
+        out = torch.empty(rows, dtype=torch.int64)
+        nan = self._lib.ps_argmax_f32(
+            logits.data_ptr(), rows, vocab, logits.stride(0), out.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if nan:
+            return torch.argmax(logits, dim=-1).tolist()
+        return out.tolist()
 
     def silu_mul(self, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
         """``silu(gate_up[:, :inter]) * gate_up[:, inter:]`` as a new ``[rows, inter]`` tensor."""

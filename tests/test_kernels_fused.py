@@ -3,6 +3,7 @@
 Rope must be bit-identical (both round every product, then add); SiLU (own exp) and RMSNorm
 (own summation order) may differ by float32 rounding only. Sizes cover the serial path
 (decode-sized) and the OpenMP one (prefill-sized), and widths that are not a multiple of 8.
+The greedy sampler's argmax must give torch's tokens (the first maximum, NaN through torch).
 """
 
 from __future__ import annotations
@@ -120,3 +121,46 @@ def test_layout_checks_refuse_what_the_kernels_cannot_read() -> None:
         _ops().silu_mul(torch.randn(4, 10).t(), 2)
     with pytest.raises(ValueError):
         _ops().add_rms_norm(torch.randn(4, 8).t(), None, torch.ones(4), 1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 48, 300])
+@pytest.mark.parametrize("vocab", [1, 7, 16, 17, 49152, 151936])
+def test_argmax_gives_torchs_tokens(rows: int, vocab: int) -> None:
+    """The greedy sampler's argmax: torch's index for every row, also where the maximum repeats
+    (the first one), with vocabularies shorter than a vector and not a multiple of one, on the
+    serial and the OpenMP paths."""
+    g = torch.Generator().manual_seed(rows * 13 + vocab)
+    logits = torch.randn(rows, vocab, generator=g)
+    assert _ops().argmax(logits) == torch.argmax(logits, dim=-1).tolist()
+    ties = torch.randint(0, 3, (rows, vocab), generator=g).float()
+    assert _ops().argmax(ties) == torch.argmax(ties, dim=-1).tolist()
+
+
+def test_argmax_edge_rows_and_layouts() -> None:
+    """NaN (torch counts it as the largest: the kernel hands such calls to torch), rows of
+    -inf, strided rows; a layout it cannot read is refused."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(5, 300, generator=g)
+    logits[1, 7] = float("nan")
+    logits[2] = float("-inf")
+    logits[3, 40:60] = float("inf")
+    assert _ops().argmax(logits) == torch.argmax(logits, dim=-1).tolist()
+    strided = torch.randn(6, 500, generator=g)[:, 100:400]
+    assert _ops().argmax(strided) == torch.argmax(strided, dim=-1).tolist()
+    for bad in (torch.randn(4, 10).T, torch.randn(3, 0), torch.randn(10)):
+        with pytest.raises(ValueError):
+            _ops().argmax(bad)
+
+
+def test_the_sampler_takes_greedy_tokens_through_the_kernel_where_it_can() -> None:
+    """``greedy_tokens``: torch's tokens for float32 CPU logits (the kernel), column-strided ones
+    and other dtypes (torch)."""
+    from worker.sampler import greedy_tokens
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(9, 1000, generator=g)
+    want = torch.argmax(logits, dim=-1).tolist()
+    assert greedy_tokens(logits) == want
+    assert greedy_tokens(logits.double()) == want
+    wide = torch.randn(9, 2000, generator=g)
+    assert greedy_tokens(wide[:, ::2]) == torch.argmax(wide[:, ::2], dim=-1).tolist()

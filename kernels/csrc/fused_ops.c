@@ -197,3 +197,57 @@ static inline __attribute__((always_inline)) void ps_rope_kv(
 PS_ROPE_KV_FN(f32, float, 0)
 PS_ROPE_KV_FN(bf16, uint16_t, 1)
 #undef PS_ROPE_KV_FN
+
+/* out[r] = the index of the largest of x[r, 0..cols) (the first where several are equal), rows
+ * ld floats apart; returns 1 if any value read was NaN (the caller then asks torch, whose
+ * argmax counts NaN as the largest), else 0.
+ *
+ * Why: torch's argmax over the last dimension of a [rows, vocab] float32 tensor ran at ~3.5
+ * GB/s on an Intel Xeon (2 threads; [48, 49152]: 2.6 ms, [96, 49152]: 5.5 ms, every greedy
+ * decode step). Each lane here keeps the first position of its own maximum (strict >), then
+ * the lanes' maxima meet: the largest value, and of equal ones the smallest position. */
+int ps_argmax_f32(const float *x, int64_t rows, int64_t cols, int64_t ld, int64_t *out,
+                  int32_t threads) {
+    int nan_seen = 0;
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows * cols >= PS_PAR_MIN) \
+    reduction(| : nan_seen)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *row = x + r * ld;
+        float best = row[0];
+        int64_t at = 0, j = 0;
+        int nan_row = best != best;
+        if (cols >= PS_WIDE_LANES) {
+            vwsi lane_at, next;
+            for (int l = 0; l < PS_WIDE_LANES; ++l) lane_at[l] = l;
+            next = lane_at + PS_WIDE_LANES;
+            vwsf lane_best = ps_wload(row);
+            vwsi nan = lane_best != lane_best;
+            for (j = PS_WIDE_LANES; j + PS_WIDE_LANES <= cols; j += PS_WIDE_LANES) {
+                const vwsf v = ps_wload(row + j);
+                const vwsi gt = v > lane_best;
+                lane_best = (vwsf)(((vwsi)v & gt) | ((vwsi)lane_best & ~gt));
+                lane_at = (next & gt) | (lane_at & ~gt);
+                next += PS_WIDE_LANES;
+                nan |= v != v;
+            }
+            best = lane_best[0];
+            at = lane_at[0];
+            for (int l = 1; l < PS_WIDE_LANES; ++l)
+                if (lane_best[l] > best || (lane_best[l] == best && lane_at[l] < at)) {
+                    best = lane_best[l];
+                    at = lane_at[l];
+                }
+            for (int l = 0; l < PS_WIDE_LANES; ++l) nan_row |= nan[l] != 0;
+        }
+        for (; j < cols; ++j) {
+            if (row[j] > best) {
+                best = row[j];
+                at = j;
+            }
+            nan_row |= row[j] != row[j];
+        }
+        out[r] = at;
+        nan_seen |= nan_row;
+    }
+    return nan_seen;
+}
