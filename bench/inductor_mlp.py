@@ -90,7 +90,7 @@ def ours_fn(stack: MLPStack) -> Callable[[torch.Tensor, torch.Tensor], torch.Ten
         norm.weight.data.copy_(b.norm_w)
         mlp.gate_up_weight.data.copy_(b.gate_up)
         mlp.down_weight.data.copy_(b.down)
-        swap_for_packed(mlp, "gate_up_weight")
+        swap_for_packed(mlp, "gate_up_weight", glu=True)  # as the engine packs it
         swap_for_packed(mlp, "down_weight")
         layers.append((norm, mlp))
 
