@@ -81,10 +81,16 @@ def test_a_job_whose_writes_raise_fails_and_the_worker_goes_on(
     pipe.execute_command("EVALSHA", store.script("enqueue").sha, len(keys), *keys, *args)
     store.load_scripts()
     pipe.execute()
-    # A queued entry whose job key is not a hash: its lease raises WRONGTYPE.
-    gone = client.submit("y", SHORT)
-    store.r.delete(store.keys.job(gone))
-    store.r.set(store.keys.job(gone), "not a hash")
+    # A queued entry whose job key is not a hash: its lease raises WRONGTYPE. Broken in the
+    # enqueue's own transaction: an idle worker claims a new job within milliseconds, and one
+    # leased before the key was replaced would fail as a job, not be dead-lettered.
+    gone = new_job_id()
+    keys, args = store.enqueue_args(gone, JobRequest(prompt="y", params=SHORT))  # type: ignore[arg-type]
+    pipe = store.r.pipeline(transaction=True)
+    pipe.execute_command("EVALSHA", store.script("enqueue").sha, len(keys), *keys, *args)
+    pipe.delete(store.keys.job(gone))
+    pipe.set(store.keys.job(gone), "not a hash")
+    pipe.execute()
     nxt = client.submit("the next job", SHORT)
     assert client.wait(nxt, timeout=60).status == JobStatus.SUCCEEDED
     wait_for(lambda: store.status(broken).terminal, what="the broken job to end")
