@@ -178,9 +178,7 @@ class NativeGemm:
         if bias is not None:
             if bias.numel() != 2 * inter:
                 raise ValueError("bias must have one value per gate and up row")
-            halves = [_glu_halves(h.reshape(-1, 1), self.panel_width // 2) for h in
-                      bias.detach().to(torch.float32).chunk(2)]  # fmt: skip
-            bias = torch.cat(halves, dim=1).flatten().contiguous()
+            bias = bias.detach().to(torch.float32).contiguous()
         y = torch.empty(m, inter, dtype=torch.float32)
         partial = None
         if self._lib.ps_gemm_glu_partial(m, k):

@@ -40,7 +40,6 @@
 static inline v8sf ps_ld(const float *p) { return *(const v8sf_u *)p; }
 static inline void ps_st(float *p, v8sf v) { *(v8sf_u *)p = v; }
 
-
 /* out[r, i] = silu(gu[r, i]) * gu[r, inter + i]; rows in_stride / out_stride floats apart.
  * The build's widest vectors first (16 floats under AVX-512: 1.43-1.55x the 8-float loop at
  * 16-256 rows of 1536 on Zen 4, 1.09x at 2048 rows where the pass is memory-bound; the same
@@ -56,17 +55,13 @@ void ps_silu_mul_f32(const float *gu, int64_t rows, int64_t inter, int64_t in_st
         for (int64_t i = 0; i < wide_end; i += PS_WIDE_LANES) {
             ps_wstore(o + i, ps_wsilu(ps_wload(g + i)) * ps_wload(u + i));
         }
-        for (int64_t i = wide_end; i < vec_end; i += 8) {
-            const v8sf gv = ps_ld(g + i);
-            const v8sf s = gv / (ps_splat(1.0f) + ps_exp8_any(-gv));
-            ps_st(o + i, s * ps_ld(u + i));
-        }
+        for (int64_t i = wide_end; i < vec_end; i += 8)
+            ps_st(o + i, ps_silu8(ps_ld(g + i)) * ps_ld(u + i));
         if (vec_end < inter) { /* the last < 8: the same vector arithmetic, lanes padded */
             float gt[8] = {0}, ut[8] = {0}, ot[8];
             memcpy(gt, g + vec_end, (size_t)(inter - vec_end) * sizeof(float));
             memcpy(ut, u + vec_end, (size_t)(inter - vec_end) * sizeof(float));
-            const v8sf gv = ps_ld(gt);
-            ps_st(ot, gv / (ps_splat(1.0f) + ps_exp8_any(-gv)) * ps_ld(ut));
+            ps_st(ot, ps_silu8(ps_ld(gt)) * ps_ld(ut));
             memcpy(o + vec_end, ot, (size_t)(inter - vec_end) * sizeof(float));
         }
     }

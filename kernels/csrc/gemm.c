@@ -81,10 +81,11 @@ typedef struct {
 int ps_gemm_panel_width(void) { return PS_GEMM_NR; }
 
 /* Where a GLU call (ps_gemm_f32_glu, below) puts a tile's silu(gate) * up: its rows ldo floats
- * apart (the tile's first row and the panel's first output column). */
+ * apart (the tile's first row and the panel's first output column); ``up``: how far the up
+ * rows' biases lie past the gate rows' (the intermediate size). */
 typedef struct {
     float *out;
-    int64_t ldo;
+    int64_t ldo, up;
 } ps_gemm_glu;
 
 /* *p in every lane, loaded by the broadcast itself (ps_wsplat's scalar add and register
@@ -194,7 +195,11 @@ static inline __attribute__((always_inline)) void ps_gemm_tile(
     ahead->due = ahead_due;
     if (bias && k1 == K) {
         float bpad[PS_GEMM_NR] = {0};
-        if (!glu && ncols < PS_GEMM_NR) { /* the last panel: no reads past the bias's end */
+        if (glu) { /* the panel's gate biases, then its up biases (ncols of each) */
+            memcpy(bpad, bias, (size_t)ncols * sizeof(float));
+            memcpy(bpad + PS_WIDE_LANES, bias + glu->up, (size_t)ncols * sizeof(float));
+            bias = bpad;
+        } else if (ncols < PS_GEMM_NR) { /* the last panel: no reads past the bias's end */
             memcpy(bpad, bias, (size_t)ncols * sizeof(float));
             bias = bpad;
         }
@@ -343,11 +348,11 @@ static void ps_gemm_block_rows(const float *x, int64_t M, int64_t K, int64_t ldx
                     const float *xt = x + m0 * ldx, *wt = wp + p * panel_floats;
                     const int64_t kt = whole ? K : k1;
                     float *yt = y ? y + m0 * ldy + c0 : 0;
-                    const float *bt = bias ? bias + c0 : 0;
+                    const float *bt = bias ? bias + (glu ? o0 : c0) : 0;
                     if (PS_GEMM_HAS_BF16 && bf16) {
                         ps_gemm_bf16_rows(xt, ldx, wt, K, yt, ldy, mr, bt, ncols, k0, kt, &ahead);
                     } else if (glu) {
-                        const ps_gemm_glu g = {glu->out + m0 * glu->ldo + o0, glu->ldo};
+                        const ps_gemm_glu g = {glu->out + m0 * glu->ldo + o0, glu->ldo, glu->up};
                         ps_gemm_rows_glu(xt, ldx, wt, K, yt, ldy, mr, bt, ncols, k0, kt, &ahead,
                                          &g);
                     } else {
@@ -390,8 +395,8 @@ static void ps_gemm_panels(const float *x, int64_t M, int64_t K, int64_t ldx, co
         chunk = M;
     for (int64_t m0 = 0; m0 < M; m0 += chunk) {
         const int64_t mc = M - m0 < chunk ? M - m0 : chunk;
-        const ps_gemm_glu g = glu ? (ps_gemm_glu){glu->out + m0 * glu->ldo, glu->ldo}
-                                  : (ps_gemm_glu){0, 0};
+        const ps_gemm_glu g = glu ? (ps_gemm_glu){glu->out + m0 * glu->ldo, glu->ldo, glu->up}
+                                  : (ps_gemm_glu){0, 0, 0};
         ps_gemm_block_rows(x + m0 * ldx, mc, K, ldx, wp, N, bias, y ? y + m0 * ldy : 0, ldy,
                            p0, p1, kc, ahead ? (m0 + mc < M ? 2 : 1) : 0, bf16,
                            glu ? &g : 0);
@@ -444,14 +449,14 @@ void ps_gemm_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const float 
  * out [M, I] rows ldo apart, with G and U packed together (``NativeGemm.pack_glu``): panel p
  * holds gate rows [p * L, p * L + L) in its first L columns and the same rows of U in its last
  * L (L = PS_WIDE_LANES, so a tile's two vectors per row are one output vector's gate and up);
- * columns past I are zero. bias: NULL or the biases in that interleaved, padded order.
+ * columns past I are zero. bias: NULL or [2I] floats, the gate rows' then the up rows'.
  *
  * Why: the fused gate/up product wrote [M, 2I] floats that the SwiGLU pass then read back to
  * write [M, I]: at a 2048-row prefill chunk 25-37 MB a layer each way for the bench model and
  * SmolLM2 (past the L2), and one more call a layer. Here each tile's sums go through the
  * activation while in registers. Each output is the same sum over k as in ps_gemm_f32, then
- * the same silu arithmetic as the fused pass (ps_wsilu; this file is built with FMA
- * contraction, so the exp's polynomial may round differently: float32 rounding only).
+ * the fused pass's silu arithmetic without FMA contraction (ps_gemm_glu_store): the bits the
+ * product and the fused pass gave.
  *
  * partial: NULL where ps_gemm_glu_partial(M, K) is 0, else [M, panels * 2L] floats for the
  * sums of a K too long for one slice (ps_gemm_kc), carried between slices as ps_gemm_f32 does
@@ -462,7 +467,7 @@ int ps_gemm_glu_partial(int64_t M, int64_t K) { return ps_gemm_kc(M, K) < K; }
 void ps_gemm_f32_glu(const float *x, int64_t M, int64_t K, int64_t ldx, const float *wp,
                      int64_t I, const float *bias, float *out, int64_t ldo, float *partial,
                      int32_t threads) {
-    const ps_gemm_glu g = {out, ldo};
+    const ps_gemm_glu g = {out, ldo, I};
     const int64_t ldp = (I + PS_WIDE_LANES - 1) / PS_WIDE_LANES * PS_GEMM_NR;
     ps_gemm_threads(x, M, K, ldx, wp, I, bias, partial, ldp, threads, 0, &g);
 }

@@ -98,6 +98,7 @@ PS_DEFINE_EXP_ANY(ps_wexp_any, ps_wexp, vwsf, vwsi, ps_wsplat)
 
 /* silu(g) = g / (1 + exp(-g)), lane-wise (the fused SwiGLU's and the GEMM's GLU epilogue's) */
 static inline vwsf ps_wsilu(vwsf g) { return g / (ps_wsplat(1.0f) + ps_wexp_any(-g)); }
+static inline v8sf ps_silu8(v8sf g) { return g / (ps_splat(1.0f) + ps_exp8_any(-g)); }
 
 /* The sum of 8 lanes (a shuffle tree, pairwise), and of a wide vector's lanes. */
 static inline float ps_v8sum(v8sf f) {
