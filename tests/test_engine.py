@@ -376,6 +376,46 @@ def test_the_direct_decoder_renders_what_the_tokenizer_decodes(
             assert fast(w) == tok.decode(w, skip_special_tokens=skip), w
 
 
+@pytest.mark.parametrize("which", ["llama", "qwen2", "smollm2"])
+def test_lazy_detokenizer_renders_what_the_token_by_token_one_does(
+    which: str, make_tiny_model, request: pytest.FixtureRequest
+) -> None:
+    """Without stop strings the detokenizer decodes when its text is read (``lazy``): read after
+    every token, every few tokens or only at the end, its deltas join to the text the eager one
+    renders token by token (multi-byte characters, random ids, special tokens in between), and
+    no delta splits a character the eager one keeps whole. Stop strings stay eager."""
+    from worker.detokenizer import IncrementalDetokenizer
+    from worker.engine import _load_tokenizer
+
+    model_dir = request.getfixturevalue("real_model_dir") if which == "smollm2" else (
+        make_tiny_model(which)
+    )  # fmt: skip
+    tok = _load_tokenizer(model_dir)
+    assert tok is not None
+    rng = random.Random(11)
+    text = "Grüß dich, 日本語 — ça va? ✓ 🎉🎉 def main():\n    return 42  # ok"
+    prompt = tok.encode("Say:", add_special_tokens=False)
+    streams = [tok.encode(text, add_special_tokens=False)]
+    streams += [rng.sample(range(tok.vocab_size), 40) for _ in range(30)]
+    streams += [s[:7] + list(tok.all_special_ids) + s[7:] for s in streams[:3]]
+    for ids in streams:
+        eager = IncrementalDetokenizer(tok, prompt)
+        eager_parts = [eager.add([t])[0] for t in ids] + [eager.flush()]
+        for every in (1, 3, 16, len(ids) + 1):
+            lazy = IncrementalDetokenizer(tok, prompt, lazy=True)
+            parts = []
+            for i, t in enumerate(ids, 1):
+                assert lazy.add([t]) == ("", False)
+                if i % every == 0:
+                    parts.append(lazy.sync())
+            parts.append(lazy.flush())
+            assert "".join(parts) == "".join(eager_parts) == eager.text == lazy.text, ids
+            if all("\ufffd" not in p for p in eager_parts):
+                assert all("\ufffd" not in p for p in parts), (ids, every, parts)
+    with pytest.raises(ValueError, match="stop strings"):
+        IncrementalDetokenizer(tok, prompt, ["\n"], lazy=True)
+
+
 def test_moved_prefixes_keep_their_kv_when_tables_grow_in_place(make_tiny_model) -> None:
     """Turns of conversations in two groups on a small pool: a growing table takes the block
     after its last one, moving the prefix that block cached (the other group's history) into the

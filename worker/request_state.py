@@ -38,6 +38,7 @@ class CompletionState:
         """The completion as of now, with the increments since the last snapshot."""
         o = self.out
         if self.detok is not None and not o.finished:
+            self.detok.sync()
             o.text = self.detok.text[: self.detok.emitted]
         snap = CompletionOutput(
             o.index, list(o.token_ids), o.text, o.finish_reason,
@@ -87,8 +88,9 @@ def new_completion(
 ) -> CompletionState:
     detok = None
     if tokenizer is not None:
+        stop = list(params.stop)
         detok = IncrementalDetokenizer(
-            tokenizer, prompt_ids, list(params.stop), params.include_stop_str_in_output
+            tokenizer, prompt_ids, stop, params.include_stop_str_in_output, lazy=not stop
         )
     gen = None
     if params.seed is not None and not params.greedy:
