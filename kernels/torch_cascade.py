@@ -81,6 +81,25 @@ def _make_shared_group(
     )
 
 
+def _may_share(
+    plan: StepPlan, meta: AttentionMetadata, rows: list[DecodeRow], limits: list[int]
+) -> bool:
+    """Whether two of the step's candidates (a full block before their query) start at the same
+    block: groups form only among those (:func:`_find_shared_groups`). Why: reading the whole
+    block table into Python lists every step was most of this function's cost, and most steps
+    of unrelated prompts have no group (the first column alone answers that)."""
+    firsts = meta.block_tables[:, 0].tolist()
+    seqs = [r.seq_index for r in rows] + [pre.seq_index for pre in plan.prefill]
+    seen: set[int] = set()
+    for seq, limit in zip(seqs, limits, strict=True):
+        if limit >= 1:
+            first = firsts[seq]
+            if first in seen:
+                return True
+            seen.add(first)
+    return False
+
+
 def split_shared(
     plan: StepPlan,
     meta: AttentionMetadata,
@@ -98,10 +117,6 @@ def split_shared(
     groups and, per prefill, ``(shared blocks, its rows of the shared results)`` or None. Group
     members follow the decode rows' final order, so a chunk's slots are usually one range.
     """
-    if plan.table_host is None:
-        plan.table_host = meta.block_tables.tolist()
-    tables = [plan.table_host[r.seq_index] for r in rows]
-    tables += [plan.table_host[pre.seq_index] for pre in plan.prefill]
     limits = [(r.seq_len - 1) // block_size for r in rows]
     limits += [
         (pre.seq_len - pre.query_len) // block_size
@@ -109,6 +124,12 @@ def split_shared(
         else 0  # never in a group
         for k, pre in enumerate(plan.prefill)
     ]
+    if not _may_share(plan, meta, rows, limits):
+        return [], [None] * len(plan.prefill)
+    if plan.table_host is None:
+        plan.table_host = meta.block_tables.tolist()
+    tables = [plan.table_host[r.seq_index] for r in rows]
+    tables += [plan.table_host[pre.seq_index] for pre in plan.prefill]
     queries = [1] * len(rows) + [pre.query_len for pre in plan.prefill]
     work_blocks = -(-min_work // block_size)
     groups = _find_shared_groups(limits, tables, queries, min_blocks, work_blocks)
