@@ -25,7 +25,7 @@ import torch
 from pagedserve.params import SamplingParams
 from pagedserve.telemetry import EngineTelemetry
 from scheduler.block_pool import PoolOccupancy
-from scheduler.output import SchedulerOutput
+from scheduler.output import ScheduledSequence, SchedulerOutput
 from scheduler.scheduler import Scheduler, SchedulerConfig, SequenceRejected, TokenUpdate
 from scheduler.sequence import FinishReason, Priority, Sequence, StopConditions
 from worker.engine_stats import EngineStats, StatsKeeper
@@ -33,7 +33,7 @@ from worker.model_runner import ModelRunner
 from worker.model_source import resolve_model, served_model_name
 from worker.outputs import EngineConfig, RequestOutput, RequestRejected
 from worker.request_state import CompletionState, RequestState, new_completion
-from worker.sampler import Sampler, SampleRow, has_penalties
+from worker.sampler import Sampler, SampleRow, greedy_tokens, has_penalties, plain_greedy
 from worker.structured import ConstraintError, GrammarState, StructuredDecoding
 
 log = logging.getLogger(__name__)
@@ -222,8 +222,9 @@ class Engine:
             raise RequestRejected(str(exc)) from exc
         completions = [new_completion(i, ids, params, self.tokenizer) for i in range(params.n)]
         req = RequestState(
-            request_id, text, ids, params, completions, time.monotonic(), stream=stream
-        )
+            request_id, text, ids, params, completions, time.monotonic(), stream=stream,
+            greedy=plain_greedy(params),
+        )  # fmt: skip
         completions[0].seq_id = seq.seq_id
         completions[0].grammar = grammar
         self._requests[request_id] = req
@@ -289,13 +290,31 @@ class Engine:
     def _sample(
         self, out: SchedulerOutput, logits: torch.Tensor, changed: dict[str, RequestState]
     ) -> list[tuple[int, int]]:
+        by_seq = self._by_seq
+        sampled = [s for s in out.scheduled if s.sample]
+        owners = [by_seq[s.seq_id] for s in sampled]
+        if all(req.greedy and comp.grammar is None for req, comp in owners):
+            # Most batches: every row's token is its argmax; no per-row sampling state.
+            pairs: list[tuple[int, int]] = []
+            for (req, comp), tok in zip(owners, greedy_tokens(logits), strict=True):
+                pairs.append((comp.seq_id, tok))  # type: ignore[arg-type]
+                if req.first_token_at is None:
+                    self._first_token(req, comp)
+                changed[req.request_id] = req
+            return pairs
+        return self._sample_rows(sampled, owners, logits, changed)
+
+    def _sample_rows(
+        self,
+        sampled: list[ScheduledSequence],
+        owners: list[tuple[RequestState, CompletionState]],
+        logits: torch.Tensor,
+        changed: dict[str, RequestState],
+    ) -> list[tuple[int, int]]:
+        """The general case: each row's own parameters, grammars, forks and logprobs."""
         rows: list[SampleRow] = []
-        owners: list[tuple[RequestState, CompletionState]] = []
         constrained: list[tuple[int, GrammarState]] = []
-        for s in out.scheduled:
-            if not s.sample:
-                continue
-            req, comp = self._by_seq[s.seq_id]
+        for s, (req, comp) in zip(sampled, owners, strict=True):
             fork = req.params.n > 1 and not req.forked
             comps = req.completions if fork else [comp]
             seq = self.scheduler.get_sequence(s.seq_id)
@@ -312,7 +331,6 @@ class Engine:
                     n=len(comps),
                 )
             )
-            owners.append((req, comp))
         raw = logits
         if constrained:  # one bitmask for every constrained row, applied in one call
             if any(owners[i][0].params.logprobs is not None for i, _ in constrained):
@@ -339,11 +357,14 @@ class Engine:
             for c, t in zip(comps, toks, strict=True):
                 pairs.append((c.seq_id, t))  # type: ignore[arg-type]
             if req.first_token_at is None:
-                req.first_token_at = time.monotonic()
-                seq = self.scheduler.get_sequence(comp.seq_id)  # type: ignore[arg-type]
-                req.num_cached_tokens = seq.num_cached_tokens if seq else 0
+                self._first_token(req, comp)
             changed[req.request_id] = req
         return pairs
+
+    def _first_token(self, req: RequestState, comp: CompletionState) -> None:
+        req.first_token_at = time.monotonic()
+        seq = self.scheduler.get_sequence(comp.seq_id)  # type: ignore[arg-type]
+        req.num_cached_tokens = seq.num_cached_tokens if seq else 0
 
     def _on_token(self, upd: TokenUpdate, changed: dict[str, RequestState]) -> None:
         entry = self._by_seq.get(upd.seq.seq_id)

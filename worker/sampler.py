@@ -34,6 +34,12 @@ def has_penalties(p: SamplingParams) -> bool:
     return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
 
 
+def plain_greedy(p: SamplingParams) -> bool:
+    """Whether a request's next token is its logits' argmax and nothing else: greedy, one
+    completion, no penalties, no logprobs (a constrained one also needs its grammar's mask)."""
+    return p.temperature == 0.0 and p.n == 1 and p.logprobs is None and not has_penalties(p)
+
+
 def apply_penalties(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
     """OpenAI presence/frequency penalties on output tokens; HF-style repetition penalty on all."""
     p = row.params
