@@ -412,6 +412,21 @@ def test_lazy_detokenizer_renders_what_the_token_by_token_one_does(
             assert "".join(parts) == "".join(eager_parts) == eager.text == lazy.text, ids
             if all("\ufffd" not in p for p in eager_parts):
                 assert all("\ufffd" not in p for p in parts), (ids, every, parts)
+    # Bytes that never complete a character (a lead byte, repeated) are not held back forever.
+    lead = tok.convert_tokens_to_ids("æ")  # byte 0xE6 in these byte-level vocabularies
+    assert tok.decode([lead]) == "\ufffd"
+    eager, lazy = (
+        IncrementalDetokenizer(tok, prompt),
+        IncrementalDetokenizer(tok, prompt, lazy=True),
+    )
+    for _ in range(12):
+        eager.add([lead])
+        lazy.add([lead])
+    held = eager.text[: eager.emitted]
+    assert held and lazy.sync().startswith(held)
+    eager.flush()
+    lazy.flush()
+    assert lazy.text == eager.text
     with pytest.raises(ValueError, match="stop strings"):
         IncrementalDetokenizer(tok, prompt, ["\n"], lazy=True)
 
