@@ -223,7 +223,7 @@ class Engine:
         completions = [new_completion(i, ids, params, self.tokenizer) for i in range(params.n)]
         req = RequestState(
             request_id, text, ids, params, completions, time.monotonic(), stream=stream,
-            greedy=plain_greedy(params),
+            greedy=plain_greedy(params) and grammar is None,
         )  # fmt: skip
         completions[0].seq_id = seq.seq_id
         completions[0].grammar = grammar
@@ -293,7 +293,7 @@ class Engine:
         by_seq = self._by_seq
         sampled = [s for s in out.scheduled if s.sample]
         owners = [by_seq[s.seq_id] for s in sampled]
-        if all(req.greedy and comp.grammar is None for req, comp in owners):
+        if all(req.greedy for req, _ in owners):
             # Most batches: every row's token is its argmax; no per-row sampling state.
             pairs: list[tuple[int, int]] = []
             for (req, comp), tok in zip(owners, greedy_tokens(logits), strict=True):

@@ -65,7 +65,8 @@ class RequestState:
     #: a completion's end); :meth:`Engine.snapshot` gives its output in between.
     stream: bool = True
     report_due: bool = True  # cleared by each step output, set again when a completion ends
-    #: Sampled by argmax alone (:func:`~worker.sampler.plain_greedy`), grammar aside.
+    #: Every token is the logits' argmax alone (:func:`~worker.sampler.plain_greedy`, no
+    #: grammar): the engine samples a batch of such requests without per-row state.
     greedy: bool = False
 
     @property

@@ -34,10 +34,17 @@ def has_penalties(p: SamplingParams) -> bool:
     return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
 
 
+def argmax_draw(p: SamplingParams, n: int) -> bool:
+    """Whether a row drawing ``n`` tokens takes its logits' argmax alone: greedy, one token,
+    no penalties."""
+    return p.greedy and n == 1 and not has_penalties(p)
+
+
 def plain_greedy(p: SamplingParams) -> bool:
-    """Whether a request's next token is its logits' argmax and nothing else: greedy, one
-    completion, no penalties, no logprobs (a constrained one also needs its grammar's mask)."""
-    return p.temperature == 0.0 and p.n == 1 and p.logprobs is None and not has_penalties(p)
+    """Whether each of a request's tokens is its logits' argmax and nothing else: one completion
+    drawn by :func:`argmax_draw`, no logprobs to report (a constrained one also needs its
+    grammar's mask: the engine checks that)."""
+    return argmax_draw(p, p.n) and p.logprobs is None
 
 
 def apply_penalties(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
@@ -103,11 +110,7 @@ class Sampler:
     def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[list[int]]:
         """Tokens for each row (a list of ``row.n`` tokens each)."""
         out: list[list[int]] = [[] for _ in rows]
-        simple = [
-            i
-            for i, r in enumerate(rows)
-            if r.params.temperature == 0.0 and r.n == 1 and not has_penalties(r.params)
-        ]
+        simple = [i for i, r in enumerate(rows) if argmax_draw(r.params, r.n)]
         if simple:
             if len(simple) == len(rows):
                 tokens = greedy_tokens(logits)
