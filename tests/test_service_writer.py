@@ -16,7 +16,7 @@ from pagedserve.params import SamplingParams
 from pagedserve.schemas import Completion, DeltaEvent, JobRequest, JobResult, JobStatus
 from pagedserve.store import Finish, JobStore, Lease, Progress, StepResult
 from tests.fixtures.redis_server import RedisFactory
-from tests.fixtures.workers import run_loop_until
+from tests.fixtures.workers import run_loop_until, wait_for
 from worker.engine import Engine
 from worker.service import WRITE_FAILED, ServiceConfig
 from worker.writer import Batch, Writer
@@ -198,6 +198,49 @@ def test_one_jobs_refused_or_unbuildable_write_fails_that_job_only(store: JobSto
     assert "WRONGTYPE" in next(e.message for e in rep.errors if e.job_id == broken.job_id)
     assert not rep.lost and accumulate(events(store, fine.job_id)).texts == {0: "c"}
     writer.close(5)
+
+
+def test_heartbeats_are_written_on_the_thread_newest_first_none_after_close(
+    redis_factory: RedisFactory,
+) -> None:
+    """A heartbeat put by the loop is written by the writer's thread with Redis's time; while
+    Redis is down the thread keeps only the newest, which goes out once it is back; none is
+    written after close (the worker deletes its key as it exits)."""
+    server = redis_factory()
+    store = JobStore(server.url)
+    writer = Writer(store, "w")
+    writers: list[str] = []
+    publish = store.heartbeat
+
+    def recorded(*args: Any) -> None:  # which thread writes it (the loop's must not)
+        writers.append(threading.current_thread().name)
+        publish(*args)
+
+    store.heartbeat = recorded  # type: ignore[method-assign]
+    before = store.r.time()
+    writer.put_heartbeat("w", {"steps": 1, "jobs": ["a"]}, 10)
+    hb = wait_for(lambda: store.workers().get("w"), 10, "the first heartbeat")
+    assert hb["steps"] == 1 and hb["jobs"] == ["a"] and writers == ["pagedserve-writer"]
+    assert before[0] <= hb["last_seen"] <= store.r.time()[0] + 1
+    assert 0 < store.r.ttl(store.keys.worker("w")) <= 10
+    assert store.r.zscore(store.keys.workers, "w") == int(hb["last_seen"])
+    server.kill()
+    writer.put_heartbeat("w", {"steps": 2}, 10)
+    wait_for(lambda: not writer.guard.ok, 10, "the writer to see Redis down")
+    writer.put_heartbeat("w", {"steps": 3}, 10)
+    server.start()  # (with its snapshot: the first heartbeat is back)
+
+    def newest() -> dict[str, Any] | None:
+        hb = store.workers().get("w", {})
+        return hb if hb.get("steps") != 1 else None
+
+    hb = wait_for(newest, 30, "a heartbeat after the outage")
+    assert hb["steps"] == 3 and "jobs" not in hb  # the newest, replacing the whole hash
+    assert writer.close(5)
+    store.r.delete(store.keys.worker("w"))
+    writer.put_heartbeat("w", {"steps": 4}, 10)
+    time.sleep(0.2)
+    assert store.workers() == {} and all(n == "pagedserve-writer" for n in writers)
 
 
 # ------------------------------------------------------------------------------ the loop

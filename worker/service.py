@@ -488,7 +488,7 @@ class Worker:
         self._redis(self.admission.refresh, self.store, self.cfg.worker_id)
         hb = self.heartbeat_model()
         ttl = max(5, int(self.cfg.heartbeat_s * 10))
-        self._redis(self.store.heartbeat, self.cfg.worker_id, hb.model_dump(mode="json"), ttl)
+        self.writer.put_heartbeat(self.cfg.worker_id, hb.model_dump(mode="json"), ttl)
 
     def close(self, timeout: float) -> bool:
         """Stop the claimer (what a round still running took is handed back) and the writer

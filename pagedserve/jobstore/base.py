@@ -34,6 +34,7 @@ _SCRIPTS = (
     "admission",
     "affinity",
     "reclaim",
+    "heartbeat",
 )
 
 #: One script call: (script name, KEYS, ARGV).

@@ -15,18 +15,12 @@ class WorkerRegistry(StoreBase):
     """Worker heartbeats and queue introspection (for the API's status and metrics)."""
 
     def heartbeat(self, worker_id: str, info: dict[str, Any], ttl_s: int = 30) -> None:
-        """Publish a worker's liveness and stats (JSON values) with a TTL."""
-        key = self.keys.worker(worker_id)
-        fields = {k: json.dumps(v) for k, v in info.items()}
-        t = self.r.time()
-        pipe = self.r.pipeline(transaction=True)
-        pipe.delete(key)
-        if fields:
-            pipe.hset(key, mapping=fields)
-        pipe.hset(key, "last_seen", json.dumps(t[0] + t[1] / 1e6))
-        pipe.expire(key, ttl_s)
-        pipe.zadd(self.keys.workers, {worker_id: t[0]})
-        pipe.execute()
+        """Publish a worker's liveness and stats (JSON values) with a TTL: one script call,
+        stamped with Redis's clock (``last_seen``)."""
+        args: list[Any] = [ttl_s, worker_id]
+        for k, v in info.items():
+            args += (k, json.dumps(v))
+        self._exec([("heartbeat", [self.keys.worker(worker_id), self.keys.workers], args)])
 
     def workers(self) -> dict[str, dict[str, Any]]:
         """Live workers (heartbeat key not expired) and their last published info."""
