@@ -16,8 +16,9 @@ steps (``loop_engine_s``; ``engine_over_offline_wall`` > 1: the same steps ran s
 service's other threads and processes) and the loop's own work (``loop_service_s``, its share of
 the round's wall time ``loop_service_share``); the rest of the round is waiting. Of the engine
 steps, ``engine_off_cpu_share`` is the part the stepping thread spent off the CPU (waiting for the
-interpreter lock held by the worker's writer or claimer thread, or preempted), and
-``steps_over_offline`` compares the engine steps each ran (from the heartbeat; > 1: the worker's
+interpreter lock held by the worker's writer or claimer thread, or preempted; the stepping
+thread's context switches per round: ``engine_thread_vcsw_rounds``, voluntary, e.g. each wait
+for that lock, and ``engine_thread_ivcsw_rounds``, preemptions), and ``steps_over_offline`` compares the engine steps each ran (from the heartbeat; > 1: the worker's
 batches were smaller, e.g. while its first claims came in). With ``--worker-flags=--engine-process``
 the worker's engine steps in a child process: its loop clock then times the waits for it, and
 ``engine_thread_cpu_over_offline`` compares that process's stepping thread's CPU time (its steps
@@ -246,6 +247,17 @@ def cpu_s(pid: int | None = None, thread: bool = False) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def switches(tid: int) -> tuple[int, int]:
+    """Thread ``tid``'s voluntary and involuntary context switches so far (Linux ``/proc``)."""
+    got = dict.fromkeys(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches"), 0)
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{tid}/task/{tid}/status").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            if key in got:
+                got[key] = int(rest)
+    return got["voluntary_ctxt_switches"], got["nonvoluntary_ctxt_switches"]
+
+
 def descendants(pid: int) -> list[int]:
     """Process ``pid`` and every process below it (Linux ``/proc``; gone ones left out)."""
     out, todo = [], [pid]
@@ -402,7 +414,8 @@ def run_rounds(
     got: dict[str, dict[str, list[float]]] = {
         n: {"tok_s": [], "cpu_s": [], "redis_cpu_s": [], "client_cpu_s": [], "wall_s": [],
             "loop_engine_s": [], "loop_service_s": [], "loop_engine_cpu_s": [], "steps": [],
-            "engine_thread_cpu_s": [], "pss_mb": [], "rss_mb": []}
+            "engine_thread_cpu_s": [], "engine_thread_vcsw": [], "engine_thread_ivcsw": [],
+            "pss_mb": [], "rss_mb": []}
         for n in systems
     }  # fmt: skip
     warm = make_mixed(args.warmup_requests, vocab, args.seed - 1) if args.warmup_requests else None
@@ -437,8 +450,12 @@ def run_rounds(
                 loop0 = loop_seconds(url, time.time())
                 redis0, client0, cpu0 = cpu_s(workers[name][2]), cpu_s(), cpu_s(pid)
                 thread0 = cpu_s(threads[name], thread=True)
+                sw0 = switches(threads[name])
                 with pinned(threads[name], cpu):
                     wall = run_service(url, wl)
+                sw1 = switches(threads[name])
+                got[name]["engine_thread_vcsw"].append(sw1[0] - sw0[0])
+                got[name]["engine_thread_ivcsw"].append(sw1[1] - sw0[1])
                 got[name]["cpu_s"].append(cpu_s(pid) - cpu0)
                 got[name]["engine_thread_cpu_s"].append(cpu_s(threads[name], thread=True) - thread0)
                 got[name]["redis_cpu_s"].append(cpu_s(workers[name][2]) - redis0)
@@ -488,7 +505,8 @@ def summary(got: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
         out[f"{name}_tok_s_rounds"] = [round(x, 1) for x in xs]
         for what in ("cpu_s", "redis_cpu_s", "client_cpu_s", "wall_s", "loop_engine_s",
                      "loop_service_s", "loop_engine_cpu_s", "steps",
-                     "engine_thread_cpu_s", "pss_mb", "rss_mb"):  # fmt: skip
+                     "engine_thread_cpu_s", "engine_thread_vcsw", "engine_thread_ivcsw",
+                     "pss_mb", "rss_mb"):  # fmt: skip
             if got[name][what]:
                 out[f"{name}_{what}_rounds"] = [round(x, 3) for x in got[name][what]]
         for what in ("pss_mb", "rss_mb"):  # (a worker's, after each round)
