@@ -10,7 +10,7 @@ from pagedserve.client import Client
 from pagedserve.params import SamplingParams
 from pagedserve.schemas import JobStatus
 from pagedserve.store import JobStore
-from tests.fixtures.workers import loop_once, run_loop_until, wait_for
+from tests.fixtures.workers import loop_once, run_loop_until
 from worker.engine import Engine
 from worker.pretokenize import max_token_bytes
 from worker.service import ServiceConfig
@@ -94,8 +94,9 @@ def test_heartbeat_carries_the_context(
 ) -> None:
     store = JobStore(redis_url)
     w = make_worker(loop_engine, store, ServiceConfig(worker_id="w", redis_url=redis_url))
-    w._heartbeat()  # written by the writer's thread
-    hb = wait_for(lambda: store.workers().get("w"), 10, "the heartbeat")
+    w._heartbeat()
+    assert w.writer.flush(10)  # (written by the writer's thread)
+    hb = store.workers()["w"]
     assert hb["max_model_len"] == 512 == loop_engine.max_model_len
     mtb = hb["max_token_bytes"]
     assert isinstance(mtb, int) and mtb >= 1 and mtb == max_token_bytes(loop_engine.tokenizer)

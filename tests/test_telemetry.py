@@ -32,6 +32,7 @@ def test_engine_telemetry_is_typed_and_reaches_the_api(
     store = JobStore(redis_url)
     w = make_worker(engine, store, ServiceConfig(worker_id="w", redis_url=redis_url))
     w._heartbeat()
+    assert w.writer.flush(10)  # (written by the writer's thread)
     (hb,) = parse_heartbeats(store.workers()).values()
     assert hb.pool == tel.pool and hb.steps == 1 and hb.max_model_len == engine.max_model_len
     assert hb.max_token_bytes is not None and hb.tokens_generated == tel.tokens_generated

@@ -134,6 +134,7 @@ class Writer:
         #: The newest heartbeat not written yet: (worker id, JSON-ready fields, TTL seconds).
         self._heartbeat: tuple[str, dict[str, Any], int] | None = None
         self._heartbeat_lock = threading.Lock()
+        self._beats = self._beats_done = 0  # heartbeats put / written or given up (for flush)
         self._closed = False
         self._thread: threading.Thread | None = None
 
@@ -169,6 +170,7 @@ class Writer:
             return
         with self._heartbeat_lock:
             self._heartbeat = (worker_id, info, ttl_s)
+            self._beats += 1
         self._start()
         self._wake.set()
 
@@ -197,16 +199,22 @@ class Writer:
         return self._finals_put - self._finals_written
 
     def flush(self, timeout: float) -> bool:
-        """Wait until every write put so far is written (or ``timeout``); ``True`` if it was."""
-        want = self._puts
+        """Wait until every write put so far is written, and the newest heartbeat put so far
+        written or given up (or ``timeout``); ``True`` if they were."""
+        want, beats = self._puts, self._beats
         self._wake.set()
         with self._done:
-            return self._done.wait_for(lambda: self._written >= want, timeout)
+            return self._done.wait_for(
+                lambda: self._written >= want and self._beats_done >= beats, timeout
+            )
 
     def close(self, timeout: float) -> bool:
         """Write what is pending (retrying a down Redis for up to ``timeout`` seconds) and stop
         the thread. ``True`` if everything was written."""
-        self._heartbeat = None  # the worker deletes its heartbeat key as it exits
+        with self._heartbeat_lock:  # dropped: the worker deletes its heartbeat key as it exits
+            self._heartbeat, dropped = None, self._beats
+        with self._done:
+            self._beats_done = max(self._beats_done, dropped)
         done = self.flush(timeout)
         self._closed = True
         if self._thread is not None:
@@ -251,7 +259,7 @@ class Writer:
     def _beat(self) -> None:
         """Write the pending heartbeat, if any (after the batch: job writes go first)."""
         with self._heartbeat_lock:
-            hb, self._heartbeat = self._heartbeat, None
+            hb, self._heartbeat, seq = self._heartbeat, None, self._beats
         if hb is None or self._closed:
             return
         try:
@@ -260,6 +268,9 @@ class Writer:
             pass  # the guard marked Redis down: the heartbeat shows "reconnecting" meanwhile
         except Exception:  # an unexpected reply or a bug: the next heartbeat tries again
             log.exception("writer: heartbeat not written")
+        with self._done:
+            self._beats_done = max(self._beats_done, seq)
+            self._done.notify_all()
 
     def _retry_at(self) -> float:
         return 0.0 if self.guard.ok else self.guard.retry_at
