@@ -132,13 +132,13 @@ class ModelRunner:
         self.block_size = config.block_size
         self.layout = self._plan_cache()
         shape = (self.layout.num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-            )
-            for _ in range(mc.num_layers)
-        ]
+        #: Every layer's key and value cache in one tensor ``[layers, 2, blocks, ...]``, so that
+        #: copy-on-write copies a block of all of them in one gather and one scatter (per layer
+        #: and cache, the index ops cost ~1.5% of a fast step); the layers get views of it.
+        self._cache = torch.zeros(
+            (mc.num_layers, 2, *shape), dtype=self.kv_dtype, device=self.device
+        )
+        self.kv_caches = [(self._cache[i, 0], self._cache[i, 1]) for i in range(mc.num_layers)]
         self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
         rows = config.max_num_seqs * 2 + 8  # forks can briefly exceed max_num_seqs
         self._tables = torch.zeros((rows, self.max_blocks_per_seq), dtype=torch.int32)
@@ -246,9 +246,7 @@ class ModelRunner:
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         src = torch.tensor([c[0] for c in copies], dtype=torch.long, device=self.device)
         dst = torch.tensor([c[1] for c in copies], dtype=torch.long, device=self.device)
-        for k, v in self.kv_caches:
-            k.index_copy_(0, dst, k.index_select(0, src))
-            v.index_copy_(0, dst, v.index_select(0, src))
+        self._cache.index_copy_(2, dst, self._cache.index_select(2, src))
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor | None:
