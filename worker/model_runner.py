@@ -132,9 +132,9 @@ class ModelRunner:
         self.block_size = config.block_size
         self.layout = self._plan_cache()
         shape = (self.layout.num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
-        #: Every layer's key and value cache in one tensor ``[layers, 2, blocks, ...]``, so that
-        #: copy-on-write copies a block of all of them in one gather and one scatter (per layer
-        #: and cache, the index ops cost ~1.5% of a fast step); the layers get views of it.
+        #: Every layer's key and value cache in one tensor ``[layers, 2, blocks, ...]``, so that a
+        #: step's block copies (copy-on-write, the pool's prefix moves) are one gather and one
+        #: scatter over all of them, not two of each per layer; the layers get views of it.
         self._cache = torch.zeros(
             (mc.num_layers, 2, *shape), dtype=self.kv_dtype, device=self.device
         )
