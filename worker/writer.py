@@ -134,8 +134,8 @@ class Writer:
         self._poll_cancels = False
         #: The newest heartbeat not written yet: (worker id, JSON-ready fields, TTL seconds).
         self._heartbeat: tuple[str, dict[str, Any], int] | None = None
-        self._heartbeat_lock = threading.Lock()
-        self._beats = self._beats_done = 0  # heartbeats put / written or given up (for flush)
+        #: Heartbeats put / written or given up (for flush); these three under ``_done``'s lock.
+        self._beats = self._beats_done = 0
         self._closed = False
         self._thread: threading.Thread | None = None
 
@@ -169,7 +169,7 @@ class Writer:
         not written yet."""
         if self._closed:
             return
-        with self._heartbeat_lock:
+        with self._done:
             self._heartbeat = (worker_id, info, ttl_s)
             self._beats += 1
         self._start()
@@ -212,10 +212,8 @@ class Writer:
     def close(self, timeout: float) -> bool:
         """Write what is pending (retrying a down Redis for up to ``timeout`` seconds) and stop
         the thread. ``True`` if everything was written."""
-        with self._heartbeat_lock:  # dropped: the worker deletes its heartbeat key as it exits
-            self._heartbeat, dropped = None, self._beats
-        with self._done:
-            self._beats_done = max(self._beats_done, dropped)
+        with self._done:  # dropped: the worker deletes its heartbeat key as it exits
+            self._heartbeat, self._beats_done = None, self._beats
         done = self.flush(timeout)
         self._closed = True
         if self._thread is not None:
@@ -259,7 +257,7 @@ class Writer:
 
     def _beat(self) -> None:
         """Write the pending heartbeat, if any (after the batch: job writes go first)."""
-        with self._heartbeat_lock:
+        with self._done:
             hb, self._heartbeat, seq = self._heartbeat, None, self._beats
         if hb is None or self._closed:
             return

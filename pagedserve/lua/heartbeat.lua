@@ -7,10 +7,9 @@
 local t = redis.call('TIME')
 local hash = KEYS[1]
 redis.call('DEL', hash)
-local fields = {}
+local fields = {'last_seen', string.format('%d.%06d', tonumber(t[1]), tonumber(t[2]))}
 for i = 3, #ARGV do fields[#fields + 1] = ARGV[i] end
 call_chunked('HSET', hash, {}, fields)
-redis.call('HSET', hash, 'last_seen', string.format('%d.%06d', tonumber(t[1]), tonumber(t[2])))
 redis.call('EXPIRE', hash, ARGV[1])
 redis.call('ZADD', KEYS[2], t[1], ARGV[2])
 return 1
