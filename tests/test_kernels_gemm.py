@@ -318,6 +318,33 @@ def test_glu_rows_do_not_depend_on_the_batch(gemm: native_gemm.NativeGemm) -> No
     assert torch.equal(packed.matmul(x3).reshape(37, 200), batch)
 
 
+@pytest.mark.parametrize("rows", [257, 1001])
+def test_prefill_sized_calls_keep_each_rows_bits(packing: Packing, rows: int) -> None:
+    """Calls past the decode sizes (more than 256 rows) multiply in shorter register tiles
+    (10 rows on AVX-512, tails of 9; kernels/csrc/gemm.c ``PS_GEMM_MR_BIG``) and other x
+    chunks: a row still gets the bits it gets alone (a one-row call, the decode path's tile),
+    at the first, a middle and the last row, in a last panel narrower than the panel width
+    too; and the plain product against float64."""
+    gen = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(300, 576, generator=gen), torch.randn(300, generator=gen)
+    w, x = packing.pack(weight), torch.randn(rows, 576, generator=gen)
+    batch = w.matmul(x, bias)
+    for r in (0, rows // 2, rows - 1):
+        assert torch.equal(w.matmul(x[r : r + 1], bias), batch[r : r + 1])
+    want = packing.reference(x, weight, bias)
+    torch.testing.assert_close(batch, want, rtol=0, atol=tolerance(576))
+
+
+def test_prefill_sized_glu_calls_keep_each_rows_bits(gemm: native_gemm.NativeGemm) -> None:
+    """The same for the SwiGLU product (``pack_glu``) at 1001 rows."""
+    gen = torch.Generator().manual_seed(4)
+    packed = gemm.pack_glu(torch.randn(2 * 200, 576, generator=gen) * 576**-0.5)
+    x = torch.randn(1001, 576, generator=gen)
+    batch = packed.matmul(x)
+    for r in (0, 500, 1000):
+        assert torch.equal(packed.matmul(x[r : r + 1]), batch[r : r + 1])
+
+
 def test_glu_bad_inputs_are_refused(gemm: native_gemm.NativeGemm) -> None:
     with pytest.raises(ValueError, match="even number of rows"):
         gemm.pack_glu(torch.randn(7, 4))

@@ -39,6 +39,21 @@
 #else
 #define PS_GEMM_MR 6
 #endif
+/* Rows of a tile in calls of more than PS_GEMM_NEXT_ROWS rows (prefill chunks; at most
+ * PS_GEMM_MR). Why not 12 there too: a 12-row tile needs 12 row pointers of x beside the
+ * panel's, the k index and the prefetch pointers, more than x86's 16 general registers, so
+ * GCC kept two or three of them in vector registers or on the stack and moved them back at
+ * every k step (objdump of the 12-row loop); 10 rows fit. Zen 4 EPYC, 2 threads, 2048 rows,
+ * bit-identical: 1.03-1.06x on SmolLM2's and the bench model's products (bench/README.md).
+ * Decode-sized calls keep 12: there 8 or 10 rows ran 0.78-0.84x (their next-block requests,
+ * ps_gemm_ahead, cost more per multiply-add in a shorter tile). AVX2 (6 rows) is unchanged. */
+#ifndef PS_GEMM_MR_BIG
+#if PS_WIDE_LANES == 16
+#define PS_GEMM_MR_BIG 10
+#else
+#define PS_GEMM_MR_BIG PS_GEMM_MR
+#endif
+#endif
 /* bytes of weight panels kept in L2 while every row tile passes over them */
 #define PS_GEMM_BLOCK_BYTES (192 * 1024)
 #ifndef PS_GEMM_X_BYTES
@@ -320,13 +335,13 @@ static ps_gemm_ahead ps_gemm_next_block(const float *wp, int64_t K, int64_t b0, 
 static void ps_gemm_block_rows(const float *x, int64_t M, int64_t K, int64_t ldx,
                                const float *wp, int64_t N, const float *bias, float *y,
                                int64_t ldy, int64_t p0, int64_t p1, int64_t kc, int next,
-                               int bf16, const ps_gemm_glu *glu) {
+                               int bf16, const ps_gemm_glu *glu, int64_t mr_max) {
     const int64_t panel_floats = K * PS_GEMM_NR;
     int64_t per_block = PS_GEMM_BLOCK_BYTES / (kc * PS_GEMM_NR * (int64_t)sizeof(float));
     if (per_block < 1) per_block = 1;
     /* row tiles of near-equal height (20 rows: 5 + 5 + 5 + 5, not 6 + 6 + 6 + 2): a tile of
      * 1-2 rows has too few independent sums to hide the multiply-add's latency */
-    const int64_t tiles = (M + PS_GEMM_MR - 1) / PS_GEMM_MR;
+    const int64_t tiles = (M + mr_max - 1) / mr_max;
     for (int64_t b0 = p0; b0 < p1; b0 += per_block) {
         const int64_t b1 = b0 + per_block < p1 ? b0 + per_block : p1;
         /* one k slice (every decode-sized call): the next block is contiguous in wp */
@@ -389,8 +404,9 @@ static void ps_gemm_panels(const float *x, int64_t M, int64_t K, int64_t ldx, co
                            int64_t p1, int bf16, const ps_gemm_glu *glu) {
     const int64_t kc = ps_gemm_kc(M, K);
     const int ahead = PS_GEMM_NEXT && M <= PS_GEMM_NEXT_ROWS;
-    int64_t chunk = PS_GEMM_X_BYTES / (kc * (int64_t)sizeof(float)) / PS_GEMM_MR * PS_GEMM_MR;
-    if (chunk < PS_GEMM_MR) chunk = PS_GEMM_MR;
+    const int64_t mr_max = M <= PS_GEMM_NEXT_ROWS ? PS_GEMM_MR : PS_GEMM_MR_BIG;
+    int64_t chunk = PS_GEMM_X_BYTES / (kc * (int64_t)sizeof(float)) / mr_max * mr_max;
+    if (chunk < mr_max) chunk = mr_max;
     if (M <= PS_GEMM_ONE_PASS_ROWS && M * kc * (int64_t)sizeof(float) <= ps_gemm_l2_bytes() / 2)
         chunk = M;
     for (int64_t m0 = 0; m0 < M; m0 += chunk) {
@@ -399,7 +415,7 @@ static void ps_gemm_panels(const float *x, int64_t M, int64_t K, int64_t ldx, co
                                   : (ps_gemm_glu){0, 0, 0};
         ps_gemm_block_rows(x + m0 * ldx, mc, K, ldx, wp, N, bias, y ? y + m0 * ldy : 0, ldy,
                            p0, p1, kc, ahead ? (m0 + mc < M ? 2 : 1) : 0, bf16,
-                           glu ? &g : 0);
+                           glu ? &g : 0, mr_max);
     }
 }
 
