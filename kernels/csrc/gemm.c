@@ -12,8 +12,9 @@
  * Layout: W is packed into panels of PS_GEMM_NR output columns: wp[p][k][c] = W[p * NR + c][k]
  * (columns past N are zero), so one k step of a panel is NR contiguous floats (one 64-byte
  * line on AVX2). A micro-tile is MR rows x NR columns held in registers (AVX2: 6 x 16 in 12 of
- * the 16 registers; AVX-512: 12 x 32 in 24 of 32); each k step loads the panel's NR floats
- * once and broadcasts one x value per row.
+ * the 16 registers; AVX-512: 12 x 32 in 24 of 32 for decode-sized calls, 10 x 32 past them:
+ * PS_GEMM_MR_BIG); each k step loads the panel's NR floats once and broadcasts one x value per
+ * row.
  *
  * Numerics: every output is one sum over k in order 0..K-1 (fused multiply-adds), then + bias:
  * the result does not depend on M, on which rows share a call, or on the thread count (a row's
