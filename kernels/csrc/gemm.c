@@ -85,6 +85,16 @@
 #ifndef PS_GEMM_NEXT_ROWS
 #define PS_GEMM_NEXT_ROWS 256
 #endif
+/* The requests fall due per run of PS_GEMM_KB k steps and go out together before the run,
+ * instead of a check (and a loop of up to a few requests) at every k step inside it. Why: in
+ * tiles of one or two per block (decode steps of up to ~24 rows) a thread's share is a line or
+ * more per k step, and the per-step loop kept the k loop from being one unrolled body. Zen 4
+ * EPYC, 2 threads, bit-identical (bench/README.md, a thirty-sixth session): hot products at 4
+ * rows 1.22-1.28x, 16 rows 1.11-1.18x, 24-48 rows 0.96-1.01x; 30 cold SmolLM2 layers at 16
+ * rows 1.07x, 8 and 48 rows 0.99x. Runs of 8 keep a burst near 8 lines at one line a step. */
+#ifndef PS_GEMM_KB
+#define PS_GEMM_KB 8
+#endif
 
 /* The next block's lines still to request, from ``p``: ``inc`` more fall due at every k step
  * of the current block's tiles (16.16 fixed point, so a step costs an add and a compare). */
@@ -175,16 +185,12 @@ static inline __attribute__((always_inline)) void ps_gemm_tile(
     for (int i = 0; i < mr; ++i) /* a later k slice goes on from the sums stored in y */
         for (int j = 0; j < PS_GEMM_NRV; ++j)
             acc[i][j] = k0 == 0 ? ps_wsplat(0.0f) : ps_wload(y + i * ldy + j * PS_WIDE_LANES);
-    PS_GEMM_UNROLL_K
-    for (int64_t k = k0; k < k1; ++k) {
-        vwsf w[PS_GEMM_NRV];
-#if PS_GEMM_PF > 0
-        for (int j = 0; j < PS_GEMM_NRV * PS_WIDE_LANES / 16; ++j)
-            __builtin_prefetch(wp + (k + PS_GEMM_PF) * PS_GEMM_NR + 16 * j, 0, PS_GEMM_PFL);
-#endif
+    const uint64_t ahead_inc = ahead->inc;
+    for (int64_t kb = k0; kb < k1; kb += PS_GEMM_KB) { /* the k steps in runs of PS_GEMM_KB */
+        const int64_t ke = kb + PS_GEMM_KB < k1 ? kb + PS_GEMM_KB : k1;
 #if PS_GEMM_NEXT
-        if (nxt && ahead_left > 0) {
-            ahead_due += ahead->inc;
+        if (nxt && ahead_left > 0) { /* the run's share of the next block's requests */
+            ahead_due += ahead_inc * (uint64_t)(ke - kb);
             for (; ahead_due >= (1u << 16) && ahead_left > 0; ahead_due -= 1u << 16) {
                 __builtin_prefetch(ahead_p, 0, 2); /* into L2 */
                 ahead_p += 64;
@@ -192,17 +198,26 @@ static inline __attribute__((always_inline)) void ps_gemm_tile(
             }
         }
 #endif
-        for (int j = 0; j < PS_GEMM_NRV; ++j) w[j] = ps_wload(wp + k * PS_GEMM_NR + j * PS_WIDE_LANES);
-        for (int i = 0; i < mr; ++i) {
-            const vwsf xb = ps_wbcast(x + i * ldx + k);
-#if PS_GEMM_HAS_BF16
-            if (bf16) {
-                for (int j = 0; j < PS_GEMM_NRV; ++j)
-                    acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)xb, (__m512bh)w[j]);
-                continue;
-            }
+        PS_GEMM_UNROLL_K
+        for (int64_t k = kb; k < ke; ++k) {
+            vwsf w[PS_GEMM_NRV];
+#if PS_GEMM_PF > 0
+            for (int j = 0; j < PS_GEMM_NRV * PS_WIDE_LANES / 16; ++j)
+                __builtin_prefetch(wp + (k + PS_GEMM_PF) * PS_GEMM_NR + 16 * j, 0, PS_GEMM_PFL);
 #endif
-            for (int j = 0; j < PS_GEMM_NRV; ++j) acc[i][j] += xb * w[j];
+            for (int j = 0; j < PS_GEMM_NRV; ++j)
+                w[j] = ps_wload(wp + k * PS_GEMM_NR + j * PS_WIDE_LANES);
+            for (int i = 0; i < mr; ++i) {
+                const vwsf xb = ps_wbcast(x + i * ldx + k);
+#if PS_GEMM_HAS_BF16
+                if (bf16) {
+                    for (int j = 0; j < PS_GEMM_NRV; ++j)
+                        acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)xb, (__m512bh)w[j]);
+                    continue;
+                }
+#endif
+                for (int j = 0; j < PS_GEMM_NRV; ++j) acc[i][j] += xb * w[j];
+            }
         }
     }
     (void)bf16;
