@@ -97,7 +97,8 @@
 #endif
 
 /* The next block's lines still to request, from ``p``: ``inc`` more fall due at every k step
- * of the current block's tiles (16.16 fixed point, so a step costs an add and a compare). */
+ * of the current block's tiles (16.16 fixed point, so a run of PS_GEMM_KB steps costs a
+ * multiply-add and a compare). */
 typedef struct {
     const char *p;
     int64_t left;      /* lines not yet requested */
