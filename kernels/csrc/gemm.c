@@ -44,10 +44,11 @@
  * PS_GEMM_MR). Why not 12 there too: a 12-row tile needs 12 row pointers of x beside the
  * panel's, the k index and the prefetch pointers, more than x86's 16 general registers, so
  * GCC kept two or three of them in vector registers or on the stack and moved them back at
- * every k step (objdump of the 12-row loop); 10 rows fit. Zen 4 EPYC, 2 threads, 2048 rows,
- * bit-identical: 1.03-1.06x on SmolLM2's and the bench model's products (bench/README.md).
- * Decode-sized calls keep 12: there 8 or 10 rows ran 0.78-0.84x (their next-block requests,
- * ps_gemm_ahead, cost more per multiply-add in a shorter tile). AVX2 (6 rows) is unchanged. */
+ * every k step (objdump of the 12-row loop); 10 rows fit. Zen 4 EPYC, 2 threads, 300-2048
+ * rows, bit-identical: 1.00-1.08x (median ~1.04) on SmolLM2's and the bench model's products
+ * (bench/README.md, a thirty-sixth session). Decode-sized calls keep 12: 10 rows there, with the
+ * request runs below, measured 0.94-1.08x at 24-48 rows (not resolved); before those runs
+ * 0.78-0.84x. AVX2's 6 rows fit already. */
 #ifndef PS_GEMM_MR_BIG
 #if PS_WIDE_LANES == 16
 #define PS_GEMM_MR_BIG 10
