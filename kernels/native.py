@@ -506,6 +506,11 @@ def switched_off(name: str) -> bool:
     return os.environ.get(name, "1").strip().lower() in ("0", "false", "no", "off")
 
 
+def decode_flags(kv_dtype: torch.dtype) -> list[str]:
+    """The compiler flags of the decode library for caches of ``kv_dtype`` (:data:`KV_BUILDS`)."""
+    return [*FLAGS, *KV_BUILDS[kv_dtype][0]]
+
+
 _LOADED: dict[torch.dtype, NativeDecode | None] = {}
 
 
@@ -521,15 +526,22 @@ def load(kv_dtype: torch.dtype = torch.float32) -> NativeDecode | None:
     if kv_dtype not in KV_BUILDS:
         return None
     try:
-        flags = [*FLAGS, *KV_BUILDS[kv_dtype][0]]
-        _LOADED[kv_dtype] = NativeDecode(build(flags=flags), kv_dtype)
+        _LOADED[kv_dtype] = NativeDecode(build(flags=decode_flags(kv_dtype)), kv_dtype)
     except (OSError, RuntimeError) as exc:
         log.warning("native CPU decode kernel unavailable, using the torch path: %s", exc)
     return _LOADED[kv_dtype]
 
 
-__all__ = ["DecodeRows", "NativeDecode", "PrefillChunks", "build", "load", "switched_off"]
+__all__ = [
+    "DecodeRows",
+    "NativeDecode",
+    "PrefillChunks",
+    "build",
+    "decode_flags",
+    "load",
+    "switched_off",
+]
 
 
-if __name__ == "__main__":  # pragma: no cover - `python -m kernels.native`: prebuild
-    print(build())
+if __name__ == "__main__":  # pragma: no cover - `python -m kernels.native`: the float32 build
+    print(build(flags=decode_flags(torch.float32)))

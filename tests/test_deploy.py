@@ -258,3 +258,31 @@ def test_cpu_image_ships_the_default_model_where_compose_looks() -> None:
         _option(compose_cmd["command"], "--model") == f"${{PAGEDSERVE_MODEL:-{CPU_DEFAULT_MODEL}}}"
     )
     assert all("nvidia" not in value and "cuda" not in value for _, value in stage)
+
+
+def image_env(target: str) -> dict[str, str]:
+    """The environment a target's image sets (its chain's ``ENV`` instructions, in order)."""
+    env: dict[str, str] = {}
+    for op, value in build_chain(dockerfile_stages(), target):
+        if op != "ENV":
+            continue
+        for word in shlex.split(value):
+            key, _, val = word.partition("=")
+            env[key] = val
+    return env
+
+
+def test_cpu_image_keeps_its_caches_in_the_compose_volume() -> None:
+    """The worker-cpu image points both caches it fills at run time, GGUF conversions and the C
+    kernels compiled for the host's CPU, into the directory compose.cpu.yaml mounts its
+    ``model-cache`` volume on, so a restarted worker finds them (the kernels alone took ~30 s to
+    build on 2 cores, at every start, while they went to /tmp)."""
+    from pagedserve import settings
+
+    volume = "/var/cache/pagedserve"
+    worker = yaml.safe_load((ROOT / "compose.cpu.yaml").read_text())["services"]["worker"]
+    assert f"model-cache:{volume}" in worker["volumes"]
+    env = image_env("worker-cpu")
+    for name in (settings.MODEL_CACHE.name, settings.KERNEL_CACHE.name):
+        assert Path(env[name]).is_relative_to(volume), name
+    assert settings.KERNEL_CACHE.name not in image_env("worker")  # no C kernels on a GPU

@@ -4,6 +4,7 @@ float64 dense reference. The whole torch-backend suite also runs through it
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -42,6 +43,30 @@ def test_builds_once_and_loads() -> None:
     assert lib.path.exists()
     assert native.build() == lib.path  # cached: same file, no rebuild
     assert lib.lanes == 8 and lib.max_head_dim >= 128
+
+
+@needs_compiler
+def test_prebuild_builds_every_library_the_loaders_load() -> None:
+    """``python -m kernels.prebuild`` (the bootstrap's step): one JSON object naming each C
+    library's cached file, the very files the loaders then load (same source and flags, same
+    cache key: nothing is built twice)."""
+    from kernels import fused, gemm
+
+    run = subprocess.run(
+        [sys.executable, "-m", "kernels.prebuild"], capture_output=True, text=True, check=False
+    )
+    assert run.returncode == 0, run.stderr
+    built = {name: Path(path) for name, path in json.loads(run.stdout).items()}
+    assert set(built) == {"decode-f32", "decode-bf16", "gemm", "fused"}
+    loaded = {
+        "decode-f32": native.load(torch.float32),
+        "decode-bf16": native.load(torch.bfloat16),
+        "gemm": gemm.load(),
+        "fused": fused.load(),
+    }
+    for name, lib in loaded.items():
+        assert lib is not None, name
+        assert lib.path == built[name] and lib.path.exists(), name
 
 
 @needs_compiler
