@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -468,7 +470,8 @@ def build(force: bool = False, source: Path = SOURCE, flags: list[str] | None = 
     own through this), cached under its own stem and key.
 
     Written to a temporary name and renamed into place, so concurrent builders (pytest-xdist
-    workers, two engines) never load a half-written file.
+    workers, two engines) never load a half-written file; and compiled by one of them at a time
+    (:func:`_build_lock`), the others then loading its file.
     """
     compiler = _compiler()
     if compiler is None:
@@ -477,6 +480,25 @@ def build(force: bool = False, source: Path = SOURCE, flags: list[str] | None = 
     target = _cache_dir() / f"{source.stem}-{_build_key(compiler, flags, source)}.so"
     if target.exists() and not force:
         return target
+    with _build_lock(target):
+        if target.exists() and not force:  # built by another thread or process meanwhile
+            return target
+        _compile(compiler, flags, source, target)
+    return target
+
+
+@contextlib.contextmanager
+def _build_lock(target: Path) -> Iterator[None]:
+    """Held while ``target`` is compiled: a second builder of the same library (another thread,
+    a pytest-xdist worker, a second worker process on the host) waits for the first and then
+    finds its file, instead of compiling it again beside it (the decode library alone takes
+    ~25 s of a core). An advisory ``flock`` on a file beside the target, released on close."""
+    with open(target.with_name(target.name + ".lock"), "ab") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _compile(compiler: str, flags: list[str], source: Path, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
@@ -488,7 +510,6 @@ def build(force: bool = False, source: Path = SOURCE, flags: list[str] | None = 
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return target
 
 
 def choice(name: str, allowed: tuple[str, ...]) -> str:

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,35 @@ def test_prebuild_builds_every_library_the_loaders_load() -> None:
     for name, lib in loaded.items():
         assert lib is not None, name
         assert lib.path == built[name] and lib.path.exists(), name
+
+
+@needs_compiler
+def test_concurrent_builders_of_one_library_compile_it_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Threads here (and, through the same file lock, other processes) asking for a library
+    nobody has built yet: one compiles it, the others wait and load its file. The compiler is
+    the machine's, behind a script that logs each compile (not its ``--version`` probes)."""
+    from kernels import fused
+
+    real = shutil.which("cc") or shutil.which("gcc")
+    log = tmp_path / "compiles.log"
+    wrapper = tmp_path / "cc"
+    wrapper.write_text(
+        f'#!/bin/sh\ncase "$1" in --version) ;; *) echo compile >> {log} ;; esac\n'
+        f'exec {real} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CC", str(wrapper))
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "cache"))
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        paths = list(
+            pool.map(lambda _: native.build(source=fused.SOURCE, flags=fused.FLAGS), range(3))
+        )
+    assert paths[0].exists() and paths == [paths[0]] * 3
+    assert log.read_text().splitlines() == ["compile"]
+    assert native.build(source=fused.SOURCE, flags=fused.FLAGS) == paths[0]  # a cache hit
+    assert log.read_text().splitlines() == ["compile"]
 
 
 @needs_compiler
