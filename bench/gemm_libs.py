@@ -10,12 +10,15 @@ decode step reads them (larger than the last-level cache for SmolLM2's 30 layers
 count 2 x rows x out x in per product; every path's result is checked against ``F.linear``.
 
     python -m bench.gemm_libs [--models bench,smollm2] [--rows 8,16,48,96,256,1024,2048]
-        [--layers 30] [--threads 2] [--min-seconds 0.25] [--bf16]
+        [--layers 30] [--threads 2] [--min-seconds 0.25] [--bf16] [--int8]
 
 ``--bf16`` adds ``onednn_bf16``: the weight rounded to bfloat16, the input cast per call, the
 output cast back (other numerics: never a default, measured beside the float32 paths), and
 ``native_bf16``, our C GEMM's bfloat16 path where the CPU has AVX512-BF16 (its AMX tiles where
 the CPU has AMX; ``native_bf16_vdp`` then is the same panels through ``vdpbf16ps``).
+``--int8`` adds ``native_int8``: our C GEMM over int8 weights with a scale per output row
+(``--weight-dtype int8``, float32 inputs and sums; other numerics too), and in the cold pass
+``int8_speedup``, the float32 C GEMM's time over its.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ LIBRARIES = (
     "onednn_bf16",
     "native_bf16",
     "native_bf16_vdp",
+    "native_int8",
 )
 
 
@@ -69,9 +73,10 @@ def bf16_product(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]
 
 
 def products(
-    weight: torch.Tensor, bf16: bool = False
+    weight: torch.Tensor, bf16: bool = False, int8: bool = False
 ) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
-    """Each library's ``x -> x @ weight.T`` (with ``bf16`` also :func:`bf16_product`'s)."""
+    """Each library's ``x -> x @ weight.T`` (with ``bf16`` also :func:`bf16_product`'s, with
+    ``int8`` the C GEMM's int8 weights')."""
     out: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
         "mkl": lambda x: F.linear(x, weight),
         "onednn_plain": lambda x: linear(x, weight),
@@ -89,11 +94,14 @@ def products(
         out["native_bf16"] = lib.pack_bf16(weight).matmul
     if bf16 and lib is not None and lib.amx:  # the same panels through vdpbf16ps: the A/B
         out["native_bf16_vdp"] = lib.pack_bf16(weight, amx=False).matmul
+    if int8 and lib is not None:
+        out["native_int8"] = lib.pack_int8(weight).matmul
     return out
 
 
 def check(fns: dict[str, Callable[[torch.Tensor], torch.Tensor]], weight: torch.Tensor) -> None:
-    """Every path against ``F.linear`` (bfloat16's 8-bit mantissa: a looser bound for it).
+    """Every path against ``F.linear`` (bfloat16's 8-bit mantissa and int8 weights: a looser
+    bound for them).
 
     float32 paths within 2^-17 of the largest sum of |x_k w_k| (a few ulps per term of a
     1536-term dot product summed in another order): a fixed 1e-4 was within 10% of what
@@ -102,15 +110,18 @@ def check(fns: dict[str, Callable[[torch.Tensor], torch.Tensor]], weight: torch.
     want = F.linear(x, weight)
     terms = (x.abs() @ weight.abs().T).max().item()
     for name, fn in fns.items():
-        tol = 5e-2 * want.abs().max().item() if "bf16" in name else 2**-17 * terms
+        lossy = "bf16" in name or "int8" in name
+        tol = 5e-2 * want.abs().max().item() if lossy else 2**-17 * terms
         torch.testing.assert_close(fn(x), want, atol=tol, rtol=1e-4, msg=name)
 
 
-def hot(model: str, rows: list[int], min_s: float, bf16: bool) -> dict[str, dict[str, float]]:
+def hot(
+    model: str, rows: list[int], min_s: float, bf16: bool, int8: bool = False
+) -> dict[str, dict[str, float]]:
     got: dict[str, dict[str, float]] = {}
     for proj, (n, k) in MODELS[model].items():
         weight = torch.randn(n, k)
-        fns = products(weight, bf16)
+        fns = products(weight, bf16, int8)
         check(fns, weight)
         for m in rows:
             x = torch.randn(m, k)
@@ -122,11 +133,11 @@ def hot(model: str, rows: list[int], min_s: float, bf16: bool) -> dict[str, dict
 
 
 def cold(
-    model: str, rows: list[int], layers: int, min_s: float, bf16: bool
+    model: str, rows: list[int], layers: int, min_s: float, bf16: bool, int8: bool = False
 ) -> dict[str, dict[str, float]]:
     """Milliseconds for one pass over every projection of ``layers`` layers."""
     shapes = MODELS[model]
-    per_layer = [{p: products(torch.randn(n, k), bf16) for p, (n, k) in shapes.items()}
+    per_layer = [{p: products(torch.randn(n, k), bf16, int8) for p, (n, k) in shapes.items()}
                  for _ in range(layers)]  # fmt: skip
     got: dict[str, dict[str, float]] = {}
     for m in rows:
@@ -142,6 +153,9 @@ def cold(
                         fns[lib](xs[p])
 
             got[str(m)][f"{lib}_ms"] = round(best_seconds(one_pass, min_s) * 1e3, 2)
+        row = got[str(m)]
+        if row.get("native_int8_ms"):
+            row["int8_speedup"] = round(row["native_gemm_ms"] / row["native_int8_ms"], 3)
     return got
 
 
@@ -155,14 +169,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--min-seconds", type=float, default=0.25, help="per timing")
     bf16 = "also bfloat16 weights and inputs through oneDNN (other numerics)"
     ap.add_argument("--bf16", action="store_true", help=bf16)
+    int8 = "also int8 weights (a scale per row) through the C GEMM (other numerics)"
+    ap.add_argument("--int8", action="store_true", help=int8)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = [int(x) for x in args.rows.split(",") if x]
     cold_rows = [int(x) for x in args.cold_rows.split(",") if x]
     models = {
         model: {
-            "hot_gflops": hot(model, rows, args.min_seconds, args.bf16),
-            "cold_pass": cold(model, cold_rows, args.layers, args.min_seconds, args.bf16),
+            "hot_gflops": hot(model, rows, args.min_seconds, args.bf16, args.int8),
+            "cold_pass": cold(
+                model, cold_rows, args.layers, args.min_seconds, args.bf16, args.int8
+            ),
         }
         for model in [m for m in args.models.split(",") if m]
     }

@@ -42,6 +42,10 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "gemm.c"
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+#: The int8 path's k step: a panel's 4-byte element holds 4 k steps of a column (``ps_gemm_i8``).
+INT8_K = 4
+#: Inputs per int8 scale (``PS_GEMM_I8_GROUP`` in gemm.c: 4 x ``PS_GEMM_KB``).
+INT8_GROUP = 32
 #: The AMX path's k step (one tile row of bfloat16 values): other widths use ``vdpbf16ps``.
 AMX_K = 32
 
@@ -63,6 +67,8 @@ class NativeGemm:
         lib.ps_gemm_amx_available.restype = ctypes.c_int
         lib.ps_gemm_f32_glu.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _P, _I32]
         lib.ps_gemm_f32_glu.restype = None
+        lib.ps_gemm_i8.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _P, _I64, _I32]
+        lib.ps_gemm_i8.restype = None
         lib.ps_gemm_glu_partial.argtypes = [_I64, _I64]
         lib.ps_gemm_glu_partial.restype = ctypes.c_int
         self._lib = lib
@@ -106,6 +112,27 @@ class NativeGemm:
         return PanelWeight(panels=panels, out_features=two_inter // 2, in_features=k, gemm=self,
                            glu=True)  # fmt: skip
 
+    def pack_int8(self, weight: torch.Tensor) -> PanelWeight:
+        """``weight`` [out, in] (float32, CPU, ``in`` a multiple of 4) as int8 panels
+        ``[ceil(out / NR), in, NR]`` with float32 scales ``[ceil(out / NR), groups, NR]``
+        (:func:`quantize_int8`'s, one per row per :data:`INT8_GROUP` inputs; ``ps_gemm_i8``).
+        Its product is, bit for bit, the float32 one with the weight ``Q * S``."""
+        if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+            raise ValueError("pack_int8 takes a 2-D float32 CPU weight")
+        n, k = weight.shape
+        if k % INT8_K:
+            raise ValueError(f"pack_int8 needs input features in multiples of {INT8_K}")
+        q, scale = quantize_int8(weight.detach())
+        nr = self.panel_width
+        padded = -(-n // nr) * nr
+        if padded != n:
+            q = torch.cat([q, q.new_zeros(padded - n, k)])
+            scale = torch.cat([scale, scale.new_zeros(padded - n, scale.shape[1])])
+        panels = q.reshape(padded // nr, nr, k).transpose(1, 2).contiguous()
+        scales = scale.reshape(padded // nr, nr, -1).transpose(1, 2).contiguous()
+        return PanelWeight(panels=panels, out_features=n, in_features=k, gemm=self,
+                           scale=scales)  # fmt: skip
+
     def pack_bf16(self, weight: torch.Tensor, amx: bool | None = None) -> PanelWeight:
         """``weight`` [out, in] (float32, CPU, ``in`` even) rounded to bfloat16 as panels of 32
         columns with each column's k pairs side by side: ``[ceil(out / 32), in / 2, 32, 2]``
@@ -143,6 +170,8 @@ class NativeGemm:
             raise ValueError(f"x must be float32 [rows, {weight.in_features}] on the CPU")
         if weight.glu:
             return self._matmul_glu(x, weight, bias)
+        if weight.scale is not None:
+            return self._matmul_int8(x, weight, bias)
         bf16 = weight.panels.dtype == torch.bfloat16
         amx = bf16 and weight.amx
         if bf16 and not amx:
@@ -164,6 +193,26 @@ class NativeGemm:
         else:
             run = self._lib.ps_gemm_bf16 if bf16 else self._lib.ps_gemm_f32
             run(*args, torch.get_num_threads())
+        return y
+
+    def _matmul_int8(
+        self, x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``(x @ Q.T) * scale (+ bias)`` for a :meth:`pack_int8` weight."""
+        assert weight.scale is not None
+        m, k = x.shape
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        if bias is not None:
+            bias = bias.detach().to(torch.float32).contiguous()
+            if bias.numel() != weight.out_features:
+                raise ValueError("bias must have one value per output column")
+        y = torch.empty(m, weight.out_features, dtype=torch.float32)
+        self._lib.ps_gemm_i8(
+            x.data_ptr(), m, k, x.stride(0), weight.panels.data_ptr(), weight.out_features,
+            weight.scale.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+            y.stride(0), torch.get_num_threads(),
+        )  # fmt: skip
         return y
 
     def _matmul_glu(
@@ -191,6 +240,28 @@ class NativeGemm:
         return y
 
 
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` [out, in] float32 as (``Q`` int8 [out, in], ``S`` float32 [out, groups]):
+    each row's runs of :data:`INT8_GROUP` inputs (the last may be shorter) scaled so that their
+    largest magnitude is 127, rounded to nearest (ties to even); ``W ~ Q * S`` within half a
+    step of each group, a group of zeros keeps scale 0 (what :meth:`NativeGemm.pack_int8`
+    packs). :func:`dequantize_int8` gives the float32 weight the int8 product multiplies by."""
+    n, k = weight.shape
+    groups = -(-k // INT8_GROUP)
+    padded = torch.nn.functional.pad(weight.float(), (0, groups * INT8_GROUP - k))
+    blocks = padded.view(n, groups, INT8_GROUP)
+    scale = blocks.abs().amax(dim=2) / 127.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(blocks / safe[:, :, None]).clamp_(-127, 127).to(torch.int8)
+    return q.view(n, -1)[:, :k].contiguous(), scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``Q * S`` in float32 (each weight times its group's scale), as the int8 product uses it."""
+    per_k = scale.repeat_interleave(INT8_GROUP, dim=1)[:, : q.shape[1]]
+    return q.float() * per_k
+
+
 def _glu_halves(rows: torch.Tensor, width: int) -> torch.Tensor:
     """``rows`` ``[n, k]`` zero-padded to a multiple of ``width`` rows, as ``[n / width, width,
     k]`` (one GLU panel's gate or up half each)."""
@@ -215,6 +286,8 @@ class PanelWeight:
     #: gate and up panels whose product is ``silu(gate) * up`` (:meth:`NativeGemm.pack_glu`;
     #: ``out_features`` is then the intermediate size).
     glu: bool = False
+    #: int8 panels' scales ``[panels, groups, NR]`` (:meth:`NativeGemm.pack_int8`).
+    scale: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -261,4 +334,4 @@ def for_packing() -> NativeGemm | None:
     return load()
 
 
-__all__ = ["NativeGemm", "PanelWeight", "for_packing", "load"]
+__all__ = ["NativeGemm", "PanelWeight", "dequantize_int8", "for_packing", "load", "quantize_int8"]

@@ -370,7 +370,7 @@ def test_gemm_libs_times_every_library_on_checked_products(
 
     lib = gemm.load()
     gemm_libs.main(["--models", "bench", "--rows", "8", "--cold-rows", "8", "--layers", "2",
-                    "--threads", "1", "--min-seconds", "0.01", "--bf16"])  # fmt: skip
+                    "--threads", "1", "--min-seconds", "0.01", "--bf16", "--int8"])  # fmt: skip
     rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     hot = rec["models"]["bench"]["hot_gflops"]
     assert set(hot) == {"qkv.8", "o.8", "gate_up.8", "down.8"}
@@ -378,9 +378,47 @@ def test_gemm_libs_times_every_library_on_checked_products(
         assert figures["mkl"] > 0 and figures["onednn_plain"] > 0
         assert figures["onednn_bf16"] > 0  # (checked against F.linear to bfloat16's precision)
         assert ("native_bf16" in figures) == bool(lib is not None and lib.bf16)
+        assert ("native_int8" in figures) == (lib is not None)  # (checked the same way)
         assert figures["best"] in gemm_libs.LIBRARIES
     cold = rec["models"]["bench"]["cold_pass"]["8"]
     assert cold["onednn_bf16_ms"] > 0 and all(v > 0 for v in cold.values())
+    if lib is not None:
+        want = round(cold["native_gemm_ms"] / cold["native_int8_ms"], 3)
+        assert cold["int8_speedup"] == want
+
+
+def test_weight_formats_times_each_format_against_float32(
+    tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``bench.weight_formats``: one engine per format, every stream count timed in alternating
+    rounds, ratios to float32 from the same rounds, the packed weights' bytes (int8 a little
+    over a quarter of float32's: the scales), and each format's agreement with float32's text."""
+    from bench import weight_formats
+    from kernels import gemm
+
+    if gemm.load() is None:
+        pytest.skip("no C GEMM here: no int8 format")
+    weight_formats.main(["--model", str(tiny_model_dir), "--formats", "float32,int8",
+                         "--streams", "1,3", "--max-tokens", "6", "--rounds", "2",
+                         "--threads", "1"])  # fmt: skip
+    rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rec["bench"] == "weight_formats" and rec["rounds"] == 2
+    mb = rec["weight_mb"]
+    assert 0.25 * mb["float32"] < mb["int8"] < 0.35 * mb["float32"]
+    assert set(rec["streams"]) == {"1", "3"}
+    for row in rec["streams"].values():
+        f32, int8 = row["float32"], row["int8"]
+        assert len(f32["tok_s_rounds"]) == 2 and all(x > 0 for x in f32["tok_s_rounds"])
+        paired = [a / b for a, b in zip(int8["tok_s_rounds"], f32["tok_s_rounds"], strict=True)]
+        assert int8["over_float32_rounds"] == [round(x, 3) for x in paired]
+        assert 0.0 <= int8["agreement"] <= 1.0 and "agreement" not in f32
+
+
+def test_weight_formats_agreement_counts_up_to_the_first_difference() -> None:
+    from bench.weight_formats import agreement
+
+    assert agreement([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 5, 6]]) == 1.0
+    assert agreement([[1, 9, 3], [4, 5, 6]], [[1, 2, 3], [7, 5, 6]]) == round(1 / 6, 4)
 
 
 def test_inductor_mlp_compares_three_ways_on_the_same_values(

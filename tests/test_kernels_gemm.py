@@ -50,7 +50,8 @@ def reference(
 
 @dataclass(frozen=True)
 class Packing:
-    """float32 panels (``pack``) or bfloat16 ones (``pack_bf16``) of one build."""
+    """float32 panels (``pack``), bfloat16 ones (``pack_bf16``) or int8 ones with a scale per
+    output row (``pack_int8``) of one build."""
 
     gemm: native_gemm.NativeGemm
     dtype: torch.dtype
@@ -59,6 +60,8 @@ class Packing:
     def pack(self, w: torch.Tensor) -> native_gemm.PanelWeight:
         if self.amx and w.shape[1] % native_gemm.AMX_K:
             pytest.skip("the AMX path takes input widths in multiples of 32")
+        if self.dtype == torch.int8:
+            return self.gemm.pack_int8(w)
         if self.dtype == torch.bfloat16:
             packed = self.gemm.pack_bf16(w, amx=self.amx)
             assert packed.amx == self.amx
@@ -66,14 +69,19 @@ class Packing:
         return self.gemm.pack(w)
 
     def reference(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        if self.dtype == torch.int8:  # the weight it multiplies by: Q * S
+            w = native_gemm.dequantize_int8(*native_gemm.quantize_int8(w))
+            return reference(x, w, b)
         return reference(x, w, b, self.dtype)
 
     def on(self, gemm: native_gemm.NativeGemm) -> Packing:
         return Packing(gemm, self.dtype, self.amx)
 
 
-@pytest.fixture(params=["float32", "bfloat16", "bfloat16-amx"])
+@pytest.fixture(params=["float32", "bfloat16", "bfloat16-amx", "int8"])
 def packing(request: pytest.FixtureRequest, gemm: native_gemm.NativeGemm) -> Packing:
+    if request.param == "int8":
+        return Packing(gemm, torch.int8)
     if request.param != "float32" and not gemm.bf16:
         pytest.skip("this build has no bfloat16 path (AVX-512 with AVX512-BF16)")
     amx = request.param == "bfloat16-amx"
@@ -199,6 +207,48 @@ def test_bad_inputs_are_refused(packing: Packing) -> None:
     if packing.dtype == torch.bfloat16:  # k in pairs
         with pytest.raises(ValueError, match="even number"):
             packing.pack(torch.randn(8, 5))
+    if packing.dtype == torch.int8:  # k in quads
+        with pytest.raises(ValueError, match="multiples of 4"):
+            packing.pack(torch.randn(8, 6))
+
+
+def test_int8_groups_round_to_their_own_scale() -> None:
+    """``quantize_int8``: each row's runs of 32 inputs (the last one shorter: 72 = 32 + 32 + 8)
+    get a scale that maps their largest magnitude to +-127; every weight lies within half a
+    step of its int8 value times its group's scale; a group of zeros keeps scale 0 (and zeros)
+    rather than dividing by it; and a group's scale follows its own range, not the row's."""
+    gen = torch.Generator().manual_seed(13)
+    w = torch.randn(4, 72, generator=gen) * torch.tensor([1e-3, 1, 50, 1])[:, None]
+    w[3, 32:64] = 0
+    w[1, :32] *= 100  # an outlying group does not coarsen the rest of its row
+    q, scale = native_gemm.quantize_int8(w)
+    assert q.dtype == torch.int8 and q.shape == w.shape
+    assert scale.dtype == torch.float32 and scale.shape == (4, 3)
+    assert scale[3, 1] == 0 and not q[3, 32:64].any()
+    groups = [q[:, :32], q[:, 32:64], q[:, 64:]]
+    for g, group in enumerate(groups):
+        live = scale[:, g] > 0
+        assert (group[live].abs().amax(dim=1) == 127).all()
+    assert scale[1, 0] > 50 * scale[1, 1]
+    per_k = scale.repeat_interleave(32, dim=1)[:, :72]
+    assert ((w - q.float() * per_k).abs() <= per_k / 2 * (1 + 1e-5)).all()
+    assert torch.equal(native_gemm.dequantize_int8(q, scale), q.float() * per_k)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 48, 300])
+def test_int8_products_are_the_float32_ones_with_the_dequantized_weight(
+    gemm: native_gemm.NativeGemm, rows: int
+) -> None:
+    """Each int8 weight is widened and scaled in float32 as ``dequantize_int8`` does, and summed
+    in the float32 path's order: the product equals, bit for bit, the float32 C GEMM's with the
+    weight ``Q * S`` (so the int8 mode computes exactly a float32 model with those weights),
+    at decode and prefill sizes, K with a short last group, biases and a partial last panel."""
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(72, 580, generator=gen)
+    bias, x = torch.randn(72, generator=gen), torch.randn(rows, 580, generator=gen)
+    dequantized = native_gemm.dequantize_int8(*native_gemm.quantize_int8(weight))
+    got = gemm.pack_int8(weight).matmul(x, bias)
+    assert torch.equal(got, gemm.pack(dequantized).matmul(x, bias))
 
 
 def test_the_bfloat16_path_exists_where_the_cpu_has_avx512_bf16() -> None:

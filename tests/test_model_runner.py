@@ -371,14 +371,17 @@ def test_bfloat16_weights_are_a_cpu_mode_for_float32_models() -> None:
     unknown name; ``auto`` (the default) keeps the weights in the model's dtype."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert EngineConfig().weight_dtype == "auto"
-    assert resolve_weight_dtype("auto", torch.float32, cpu) is False
-    assert resolve_weight_dtype("auto", torch.bfloat16, cuda) is False
+    assert resolve_weight_dtype("auto", torch.float32, cpu) is None
+    assert resolve_weight_dtype("auto", torch.bfloat16, cuda) is None
     with pytest.raises(ValueError, match="on a GPU use --dtype bfloat16"):
         resolve_weight_dtype("bfloat16", torch.bfloat16, cuda)
     with pytest.raises(ValueError, match="for float32 models"):
         resolve_weight_dtype("bfloat16", torch.bfloat16, cpu)
     with pytest.raises(ValueError, match="unsupported weight dtype"):
         resolve_weight_dtype("int4", torch.float32, cpu)
+    assert resolve_weight_dtype("int8", torch.float32, cpu) == "int8"
+    with pytest.raises(ValueError, match="int8 is a CPU mode for float32 models"):
+        resolve_weight_dtype("int8", torch.bfloat16, cuda)
 
 
 def test_the_default_dtype_is_float32_on_a_cpu_and_bfloat16_on_a_gpu() -> None:
@@ -446,3 +449,53 @@ def test_kv_cache_dtype_choices_and_errors() -> None:
     for name, dtype, device, why in refused:
         with pytest.raises(ValueError, match=why):
             resolve_kv_cache_dtype(name, dtype, device)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])  # untied heads: the head is int8 too
+def test_int8_weights_generate_as_their_dequantized_float32_copy(
+    make_tiny_model, family: str, tmp_path: Path
+) -> None:
+    """``--weight-dtype int8``: every projection and the head become int8 panels with a scale
+    per 32 inputs of each row (the embedding table, norms and KV cache stay float32), and
+    greedy generation gives, token for token, what the float32 engine gives over a copy of the
+    checkpoint whose projection weights are replaced by their int8 values times their scales:
+    the mode's products are, bit for bit, the float32 ones with those weights."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from kernels.gemm import PanelWeight, dequantize_int8, quantize_int8
+    from pagedserve.params import SamplingParams
+    from tests.test_engine import random_prompts
+    from worker import LLM
+
+    src = make_tiny_model(family)
+    dequantized = tmp_path / "dequantized"
+    shutil.copytree(src, dequantized)
+    (shard,) = dequantized.glob("*.safetensors")
+    tensors = load_file(shard)
+    for name, tensor in tensors.items():
+        if name.endswith("_proj.weight") or name == "lm_head.weight":
+            tensors[name] = dequantize_int8(*quantize_int8(tensor.float())).to(tensor.dtype)
+    save_file(tensors, shard, metadata={"format": "pt"})
+
+    int8 = LLM(src, num_kv_blocks=64, weight_dtype="int8")
+    model = int8.engine.runner.model
+    layer = model.layers[0]
+    for weight in (layer.attn.qkv_weight, layer.attn.o_weight, layer.mlp.gate_up_weight,
+                   layer.mlp.down_weight, model.lm_head_weight):  # fmt: skip
+        assert isinstance(weight, PanelWeight) and weight.panels.dtype == torch.int8
+        assert weight.scale is not None and not weight.glu  # gate/up: then the SwiGLU pass
+    assert model.embed_weight.dtype == torch.float32
+    assert int8.engine.runner.kv_caches[0][0].dtype == torch.float32
+
+    prompts = random_prompts(21, 6, 1, 60)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    got = int8.generate(prompts, params)
+    want = LLM(dequantized, num_kv_blocks=64).generate(prompts, params)
+    for g, w in zip(got, want, strict=True):
+        assert g.error is None and g.outputs[0].token_ids == w.outputs[0].token_ids
+    plain = LLM(src, num_kv_blocks=64).generate(prompts, params)  # and the mode is on
+    assert any(
+        p.outputs[0].token_ids != g.outputs[0].token_ids for p, g in zip(plain, got, strict=True)
+    )

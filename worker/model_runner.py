@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from kernels import AttentionMetadata, get_backend
+from kernels import gemm as native_gemm
 from scheduler.output import SchedulerOutput
 from worker.cpu_memory import configure_cpu_process, prepack_enabled, warn_without_huge_pages
 from worker.loader import load_model
@@ -65,24 +66,36 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return dtype
 
 
-def resolve_weight_dtype(name: str, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether projection weights go to bfloat16 (``--weight-dtype bfloat16``): only for a
-    float32 model on a CPU, where the activations around them stay float32."""
+#: ``--weight-dtype`` values other than ``auto``: the projection weights' format on a CPU.
+WEIGHT_FORMATS = ("bfloat16", "int8")
+
+
+def resolve_weight_dtype(name: str, dtype: torch.dtype, device: torch.device) -> str | None:
+    """The projection weights' format (``--weight-dtype``): None (``auto``) keeps the model's
+    dtype; ``bfloat16`` or ``int8`` (a scale per output row, :func:`kernels.gemm.quantize_int8`)
+    only for a float32 model on a CPU, where the activations around them stay float32."""
     if name == "auto":
-        return False
-    if _DTYPES.get(name) is not torch.bfloat16:
-        raise ValueError(f"unsupported weight dtype {name!r}; use auto or bfloat16")
+        return None
+    if name not in WEIGHT_FORMATS:
+        raise ValueError(f"unsupported weight dtype {name!r}; use auto, bfloat16 or int8")
     if device.type != "cpu" or dtype is not torch.float32:
         raise ValueError(
-            "--weight-dtype bfloat16 is a CPU mode for float32 models (bfloat16 weights, "
+            f"--weight-dtype {name} is a CPU mode for float32 models ({name} weights, "
             "float32 activations); on a GPU use --dtype bfloat16"
         )
+    if name == "int8":
+        if native_gemm.for_packing() is None:
+            raise ValueError(
+                "--weight-dtype int8 needs the C GEMM (a C compiler; PAGEDSERVE_NATIVE_GEMM and "
+                "PAGEDSERVE_NATIVE_KERNELS not 0)"
+            )
+        return name
     if not layers.onednn_available() and not layers.bf16_native():
         raise ValueError(
             "--weight-dtype bfloat16 needs torch's oneDNN (mkldnn) linear or the C GEMM's "
             "bfloat16 path (AVX512-BF16)"
         )
-    return True
+    return name
 
 
 def resolve_kv_cache_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -118,11 +131,11 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
-        bf16_weights = resolve_weight_dtype(config.weight_dtype, self.dtype, self.device)
+        weight_fmt = resolve_weight_dtype(config.weight_dtype, self.dtype, self.device)
         self.model: CausalLM = load_model(model_dir, self.dtype, self.device)
-        if bf16_weights:
-            n = self.model.pack_weights(bf16=True)
-            log.info("packed %d projection weights in bfloat16 (C GEMM or oneDNN)", n)
+        if weight_fmt is not None:
+            n = self.model.pack_weights(weight_fmt)
+            log.info("packed %d projection weights in %s", n, weight_fmt)
         elif self.device.type == "cpu" and prepack_enabled():
             log.info("packed %d projection weights (C GEMM or oneDNN)", self.model.pack_weights())
         mc = self.model.config

@@ -36,12 +36,15 @@ class EngineConfig:
         metadata=opt("float32 | bfloat16 | float16 | auto (float32 on a CPU, bfloat16 on a GPU)"),
     )
     device: str = field(default="cpu", metadata=opt("cpu | cuda[:n]"))
-    # A speed mode with other numerics (never a default): see worker.models.layers.Bf16Weight
+    # Speed modes with other numerics (never a default): worker.models.layers.Bf16Weight, and
+    # kernels.gemm.NativeGemm.pack_int8
     weight_dtype: str = field(
         default="auto",
         metadata=opt(
             "auto (the weights in --dtype) | bfloat16 (CPU, float32: projection weights in "
-            "bfloat16, fast with AMX or AVX512-BF16; not token-for-token float32's outputs)"
+            "bfloat16, fast with AMX or AVX512-BF16) | int8 (CPU, float32: projection weights "
+            "in int8 with a scale per row, a quarter of the bytes: faster decode at a few "
+            "sequences); the last two not token-for-token float32's outputs"
         ),
     )
     # A memory / speed mode with other numerics (never a default): worker.model_runner

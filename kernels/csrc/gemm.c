@@ -127,6 +127,33 @@ static inline vwsf ps_wbcast(const float *p) {
 #endif
 }
 
+/* The weight kinds of a tile (ps_gemm_tile's ``bf16``): 0 float32, 1 bfloat16 pairs, this one
+ * int8 quads (ps_gemm_i8). */
+#define PS_GEMM_I8 2
+/* int8 weights have a scale per column per group of this many k steps: one run of PS_GEMM_KB
+ * 4-step elements, so a tile loads a group's scales once per run (ps_gemm_tile). */
+#define PS_GEMM_I8_GROUP (4 * PS_GEMM_KB)
+
+/* PS_WIDE_LANES int8 weights widened to float32 (vpmovsxbd, vcvtdq2ps). Intrinsics where the
+ * build has them: GCC 12 compiled __builtin_convertvector from int8 lanes (directly to float,
+ * or to int32 first) into a scalar sign extension and insert per lane. */
+#if defined(__AVX512F__) && PS_WIDE_LANES == 16
+#include <immintrin.h>
+static inline vwsf ps_i8_load(const int8_t *p) {
+    return (vwsf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+#elif defined(__AVX2__) && PS_WIDE_LANES == 8
+#include <immintrin.h>
+static inline vwsf ps_i8_load(const int8_t *p) {
+    return (vwsf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+#else
+typedef int8_t vwsb __attribute__((vector_size(PS_WIDE_LANES), aligned(1)));
+static inline vwsf ps_i8_load(const int8_t *p) {
+    return __builtin_convertvector(__builtin_convertvector(*(const vwsb *)p, vwsi), vwsf);
+}
+#endif
+
 /* bfloat16 products where the build has AVX512-BF16 with 16-float vectors (ps_gemm_bf16) */
 #if PS_WIDE_LANES == 16 && defined(__AVX512BF16__)
 #define PS_GEMM_HAS_BF16 1
@@ -178,7 +205,7 @@ __attribute__((noinline, optimize("fp-contract=off"))) static void ps_gemm_glu_s
  * out as silu(gate) * up, ncols outputs a row; earlier slices' partial sums to y as usual. */
 static inline __attribute__((always_inline)) void ps_gemm_tile(
     const float *x, int64_t ldx, const float *wp, int64_t K, float *y, int64_t ldy,
-    const int mr, const float *bias, int64_t ncols, int64_t k0, int64_t k1,
+    const int mr, const float *bias, const float *scale, int64_t ncols, int64_t k0, int64_t k1,
     ps_gemm_ahead *ahead, const int bf16, const int nxt, const ps_gemm_glu *glu) {
     vwsf acc[PS_GEMM_MR][PS_GEMM_NRV];
     const char *ahead_p = ahead->p; /* in locals: kept in registers across the k loop */
@@ -190,6 +217,10 @@ static inline __attribute__((always_inline)) void ps_gemm_tile(
     const uint64_t ahead_inc = ahead->inc;
     for (int64_t kb = k0; kb < k1; kb += PS_GEMM_KB) { /* the k steps in runs of PS_GEMM_KB */
         const int64_t ke = kb + PS_GEMM_KB < k1 ? kb + PS_GEMM_KB : k1;
+        vwsf sc[PS_GEMM_NRV]; /* int8: this run's group of scales (kb is a multiple of KB) */
+        if (bf16 == PS_GEMM_I8)
+            for (int j = 0; j < PS_GEMM_NRV; ++j)
+                sc[j] = ps_wload(scale + kb / PS_GEMM_KB * PS_GEMM_NR + j * PS_WIDE_LANES);
 #if PS_GEMM_NEXT
         if (nxt && ahead_left > 0) { /* the run's share of the next block's requests */
             ahead_due += ahead_inc * (uint64_t)(ke - kb);
@@ -207,12 +238,24 @@ static inline __attribute__((always_inline)) void ps_gemm_tile(
             for (int j = 0; j < PS_GEMM_NRV * PS_WIDE_LANES / 16; ++j)
                 __builtin_prefetch(wp + (k + PS_GEMM_PF) * PS_GEMM_NR + 16 * j, 0, PS_GEMM_PFL);
 #endif
+            if (bf16 == PS_GEMM_I8) { /* 4 k steps of int8 panel rows (ps_gemm_i8) */
+                const int8_t *wq = (const int8_t *)(wp + k * PS_GEMM_NR);
+                for (int s = 0; s < 4; ++s) {
+                    for (int j = 0; j < PS_GEMM_NRV; ++j) /* the weight as float32 holds it */
+                        w[j] = ps_i8_load(wq + s * PS_GEMM_NR + j * PS_WIDE_LANES) * sc[j];
+                    for (int i = 0; i < mr; ++i) {
+                        const vwsf xb = ps_wbcast(x + i * ldx + 4 * k + s);
+                        for (int j = 0; j < PS_GEMM_NRV; ++j) acc[i][j] += xb * w[j];
+                    }
+                }
+                continue;
+            }
             for (int j = 0; j < PS_GEMM_NRV; ++j)
                 w[j] = ps_wload(wp + k * PS_GEMM_NR + j * PS_WIDE_LANES);
             for (int i = 0; i < mr; ++i) {
                 const vwsf xb = ps_wbcast(x + i * ldx + k);
 #if PS_GEMM_HAS_BF16
-                if (bf16) {
+                if (bf16 == 1) {
                     for (int j = 0; j < PS_GEMM_NRV; ++j)
                         acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)xb, (__m512bh)w[j]);
                     continue;
@@ -262,19 +305,19 @@ static inline __attribute__((always_inline)) void ps_gemm_tile(
 
 static inline __attribute__((always_inline)) void ps_gemm_rows_of(
     const float *x, int64_t ldx, const float *wp, int64_t K, float *y, int64_t ldy, int64_t mr,
-    const float *bias, int64_t ncols, int64_t k0, int64_t k1, ps_gemm_ahead *ahead,
-    const int bf16, const int is_glu, const ps_gemm_glu *glu) {
+    const float *bias, const float *scale, int64_t ncols, int64_t k0, int64_t k1,
+    ps_gemm_ahead *ahead, const int bf16, const int is_glu, const ps_gemm_glu *glu) {
     const int nxt = ahead->left > 0; /* lines still to request (ps_gemm_tile's nxt) */
     switch (mr) {
 #define PS_GEMM_CASE(n) \
     case n:                                                                                \
         if (is_glu && nxt)                                                                 \
-            ps_gemm_tile(x, ldx, wp, K, y, ldy, n, bias, ncols, k0, k1, ahead, 0, 1, glu); \
+            ps_gemm_tile(x, ldx, wp, K, y, ldy, n, bias, 0, ncols, k0, k1, ahead, 0, 1, glu); \
         else if (is_glu)                                                                   \
-            ps_gemm_tile(x, ldx, wp, K, y, ldy, n, bias, ncols, k0, k1, ahead, 0, 0, glu); \
+            ps_gemm_tile(x, ldx, wp, K, y, ldy, n, bias, 0, ncols, k0, k1, ahead, 0, 0, glu); \
         else if (nxt)                                                                      \
-            ps_gemm_tile(x, ldx, wp, K, y, ldy, n, bias, ncols, k0, k1, ahead, bf16, 1, 0);\
-        else ps_gemm_tile(x, ldx, wp, K, y, ldy, n, bias, ncols, k0, k1, ahead, bf16, 0, 0); \
+            ps_gemm_tile(x, ldx, wp, K, y, ldy, n, bias, scale, ncols, k0, k1, ahead, bf16, 1, 0);\
+        else ps_gemm_tile(x, ldx, wp, K, y, ldy, n, bias, scale, ncols, k0, k1, ahead, bf16, 0, 0); \
         break;
         PS_GEMM_CASE(1) PS_GEMM_CASE(2) PS_GEMM_CASE(3) PS_GEMM_CASE(4) PS_GEMM_CASE(5)
         PS_GEMM_CASE(6)
@@ -290,7 +333,7 @@ static inline __attribute__((always_inline)) void ps_gemm_rows_of(
 static void ps_gemm_rows(const float *x, int64_t ldx, const float *wp, int64_t K, float *y,
                          int64_t ldy, int64_t mr, const float *bias, int64_t ncols, int64_t k0,
                          int64_t k1, ps_gemm_ahead *ahead) {
-    ps_gemm_rows_of(x, ldx, wp, K, y, ldy, mr, bias, ncols, k0, k1, ahead, 0, 0, 0);
+    ps_gemm_rows_of(x, ldx, wp, K, y, ldy, mr, bias, 0, ncols, k0, k1, ahead, 0, 0, 0);
 }
 
 /* The same with a GLU call's epilogue (ps_gemm_f32_glu), in a function of its own: with both
@@ -299,7 +342,7 @@ static void ps_gemm_rows_glu(const float *x, int64_t ldx, const float *wp, int64
                              int64_t ldy, int64_t mr, const float *bias, int64_t ncols,
                              int64_t k0, int64_t k1, ps_gemm_ahead *ahead,
                              const ps_gemm_glu *glu) {
-    ps_gemm_rows_of(x, ldx, wp, K, y, ldy, mr, bias, ncols, k0, k1, ahead, 0, 1, glu);
+    ps_gemm_rows_of(x, ldx, wp, K, y, ldy, mr, bias, 0, ncols, k0, k1, ahead, 0, 1, glu);
 }
 
 /* bfloat16 panels (ps_gemm_bf16, below): both layouts step 4-byte elements of x and
@@ -307,7 +350,17 @@ static void ps_gemm_rows_glu(const float *x, int64_t ldx, const float *wp, int64
 static void ps_gemm_bf16_rows(const float *x, int64_t ldx, const float *wp, int64_t K, float *y,
                               int64_t ldy, int64_t mr, const float *bias, int64_t ncols,
                               int64_t k0, int64_t k1, ps_gemm_ahead *ahead) {
-    ps_gemm_rows_of(x, ldx, wp, K, y, ldy, mr, bias, ncols, k0, k1, ahead, 1, 0, 0);
+    ps_gemm_rows_of(x, ldx, wp, K, y, ldy, mr, bias, 0, ncols, k0, k1, ahead, 1, 0, 0);
+}
+
+/* int8 panels (ps_gemm_i8, below): a 4-byte element of the panel holds 4 k steps of a column,
+ * so the blocking steps K / 4 elements as it steps bfloat16's K / 2; x stays float32 (ldx and
+ * its k index in floats). ``scale``: the panel's scales (NR floats per group of k steps). */
+static void ps_gemm_i8_rows(const float *x, int64_t ldx, const float *wp, int64_t K, float *y,
+                            int64_t ldy, int64_t mr, const float *bias, const float *scale,
+                            int64_t ncols, int64_t k0, int64_t k1, ps_gemm_ahead *ahead) {
+    ps_gemm_rows_of(x, ldx, wp, K, y, ldy, mr, bias, scale, ncols, k0, k1, ahead, PS_GEMM_I8, 0,
+                    0);
 }
 
 /* The k slice of a call: all of K up to PS_GEMM_KC_MAX (every product of the models measured
@@ -351,9 +404,10 @@ static ps_gemm_ahead ps_gemm_next_block(const float *wp, int64_t K, int64_t b0, 
  * block, 2 also the first block after the last. ``glu`` (NULL: none): a GLU call's outputs
  * (ps_gemm_f32_glu; N is then its outputs, y its partial sums, whole panels wide). */
 static void ps_gemm_block_rows(const float *x, int64_t M, int64_t K, int64_t ldx,
-                               const float *wp, int64_t N, const float *bias, float *y,
-                               int64_t ldy, int64_t p0, int64_t p1, int64_t kc, int next,
-                               int bf16, const ps_gemm_glu *glu, int64_t mr_max) {
+                               const float *wp, int64_t N, const float *bias,
+                               const float *scale, float *y, int64_t ldy, int64_t p0, int64_t p1,
+                               int64_t kc, int next, int bf16, const ps_gemm_glu *glu,
+                               int64_t mr_max) {
     const int64_t panel_floats = K * PS_GEMM_NR;
     int64_t per_block = PS_GEMM_BLOCK_BYTES / (kc * PS_GEMM_NR * (int64_t)sizeof(float));
     if (per_block < 1) per_block = 1;
@@ -382,7 +436,12 @@ static void ps_gemm_block_rows(const float *x, int64_t M, int64_t K, int64_t ldx
                     const int64_t kt = whole ? K : k1;
                     float *yt = y ? y + m0 * ldy + c0 : 0;
                     const float *bt = bias ? bias + (glu ? o0 : c0) : 0;
-                    if (PS_GEMM_HAS_BF16 && bf16) {
+                    if (bf16 == PS_GEMM_I8) {
+                        const float *st = scale + p * ((K + PS_GEMM_KB - 1) / PS_GEMM_KB) *
+                                                      PS_GEMM_NR;
+                        ps_gemm_i8_rows(xt, ldx, wt, K, yt, ldy, mr, bt, st, ncols, k0, kt,
+                                        &ahead);
+                    } else if (PS_GEMM_HAS_BF16 && bf16) {
                         ps_gemm_bf16_rows(xt, ldx, wt, K, yt, ldy, mr, bt, ncols, k0, kt, &ahead);
                     } else if (glu) {
                         const ps_gemm_glu g = {glu->out + m0 * glu->ldo + o0, glu->ldo, glu->up};
@@ -418,22 +477,25 @@ static int64_t ps_gemm_l2_bytes(void) {
 #define PS_GEMM_ONE_PASS_ROWS 128
 #endif
 static void ps_gemm_panels(const float *x, int64_t M, int64_t K, int64_t ldx, const float *wp,
-                           int64_t N, const float *bias, float *y, int64_t ldy, int64_t p0,
-                           int64_t p1, int bf16, const ps_gemm_glu *glu) {
+                           int64_t N, const float *bias, const float *scale, float *y,
+                           int64_t ldy, int64_t p0, int64_t p1, int bf16,
+                           const ps_gemm_glu *glu) {
     const int64_t kc = ps_gemm_kc(M, K);
     const int ahead = PS_GEMM_NEXT && M <= PS_GEMM_NEXT_ROWS;
     const int64_t mr_max = M <= PS_GEMM_NEXT_ROWS ? PS_GEMM_MR : PS_GEMM_MR_BIG;
-    int64_t chunk = PS_GEMM_X_BYTES / (kc * (int64_t)sizeof(float)) / mr_max * mr_max;
+    /* bytes of x per element step: int8 panels step 4 float32 values of x at a time */
+    const int64_t xstep = (int64_t)sizeof(float) * (bf16 == PS_GEMM_I8 ? 4 : 1);
+    int64_t chunk = PS_GEMM_X_BYTES / (kc * xstep) / mr_max * mr_max;
     if (chunk < mr_max) chunk = mr_max;
-    if (M <= PS_GEMM_ONE_PASS_ROWS && M * kc * (int64_t)sizeof(float) <= ps_gemm_l2_bytes() / 2)
+    if (M <= PS_GEMM_ONE_PASS_ROWS && M * kc * xstep <= ps_gemm_l2_bytes() / 2)
         chunk = M;
     for (int64_t m0 = 0; m0 < M; m0 += chunk) {
         const int64_t mc = M - m0 < chunk ? M - m0 : chunk;
         const ps_gemm_glu g = glu ? (ps_gemm_glu){glu->out + m0 * glu->ldo, glu->ldo, glu->up}
                                   : (ps_gemm_glu){0, 0, 0};
-        ps_gemm_block_rows(x + m0 * ldx, mc, K, ldx, wp, N, bias, y ? y + m0 * ldy : 0, ldy,
-                           p0, p1, kc, ahead ? (m0 + mc < M ? 2 : 1) : 0, bf16,
-                           glu ? &g : 0, mr_max);
+        ps_gemm_block_rows(x + m0 * ldx, mc, K, ldx, wp, N, bias, scale,
+                           y ? y + m0 * ldy : 0, ldy, p0, p1, kc,
+                           ahead ? (m0 + mc < M ? 2 : 1) : 0, bf16, glu ? &g : 0, mr_max);
     }
 }
 
@@ -456,8 +518,8 @@ static inline void ps_gemm_member(int64_t *t, int64_t *nt) {
 
 /* Each thread takes a contiguous run of panels (the weights are read once in all). */
 static void ps_gemm_threads(const float *x, int64_t M, int64_t K, int64_t ldx, const float *wp,
-                            int64_t N, const float *bias, float *y, int64_t ldy, int32_t threads,
-                            int bf16, const ps_gemm_glu *glu) {
+                            int64_t N, const float *bias, const float *scale, float *y,
+                            int64_t ldy, int32_t threads, int bf16, const ps_gemm_glu *glu) {
     const int64_t cw = glu ? PS_WIDE_LANES : PS_GEMM_NR; /* outputs per panel */
     const int64_t panels = (N + cw - 1) / cw;
     if (M <= 0 || panels <= 0) return;
@@ -467,7 +529,7 @@ static void ps_gemm_threads(const float *x, int64_t M, int64_t K, int64_t ldx, c
         int64_t t, nt;
         ps_gemm_member(&t, &nt);
         const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
-        ps_gemm_panels(x, M, K, ldx, wp, N, bias, y, ldy, p0, p1, bf16, glu);
+        ps_gemm_panels(x, M, K, ldx, wp, N, bias, scale, y, ldy, p0, p1, bf16, glu);
     }
 }
 
@@ -475,7 +537,7 @@ static void ps_gemm_threads(const float *x, int64_t M, int64_t K, int64_t ldx, c
  * or [N] floats; y: [M, N] rows ldy apart. */
 void ps_gemm_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const float *wp, int64_t N,
                  const float *bias, float *y, int64_t ldy, int32_t threads) {
-    ps_gemm_threads(x, M, K, ldx, wp, N, bias, y, ldy, threads, 0, 0);
+    ps_gemm_threads(x, M, K, ldx, wp, N, bias, 0, y, ldy, threads, 0, 0);
 }
 
 /*
@@ -503,7 +565,36 @@ void ps_gemm_f32_glu(const float *x, int64_t M, int64_t K, int64_t ldx, const fl
                      int32_t threads) {
     const ps_gemm_glu g = {out, ldo, I};
     const int64_t ldp = (I + PS_WIDE_LANES - 1) / PS_WIDE_LANES * PS_GEMM_NR;
-    ps_gemm_threads(x, M, K, ldx, wp, I, bias, partial, ldp, threads, 0, &g);
+    ps_gemm_threads(x, M, K, ldx, wp, I, bias, 0, partial, ldp, threads, 0, &g);
+}
+
+/*
+ * int8 weights (``--weight-dtype int8``): y = x @ (Q * S)^T (+ bias), each weight an int8 step
+ * of its column's scale for its group of PS_GEMM_I8_GROUP k steps (W[n][k] ~ Q[n][k] *
+ * S[n][k / 32]), x float32, every product and sum in float32 (weight-only: x is not quantized).
+ *
+ * Why: a decode step streams every weight from DRAM; at a few rows a step that stream is the
+ * step's time, and int8 panels are ~0.28 of float32's bytes with their scales (~0.56 of
+ * bfloat16's). Each k step widens the panel's int8 row to float32 in registers (a sign
+ * extension, a convert and a multiply by the group's scale per vector, beside the tile's
+ * multiply-adds). Why a scale per group of 32 and not per row: SmolLM2's rows, rounded with
+ * one scale each, changed its greedy text within a few tokens; a group's scale follows the
+ * weights' local range (GGUF's Q8_0 blocks are 32 too).
+ *
+ * Layout: panels of NR columns (as float32's), wp[p][k][c] = Q[p * NR + c][k] as int8, K a
+ * multiple of 4 (columns past N are zero): 4 k steps of a panel are NR 4-byte elements, so the
+ * blocking and prefetching above run it as K / 4 steps of float32-sized elements, and only the
+ * tile's body differs (4 sub-steps, each an int8 row of the panel times its scales against one
+ * float of each row of x). scale[p][g][c] = S[p * NR + c][g], ceil(K / 32) groups (zeros past
+ * N). Each weight is widened and scaled in float32 exactly as torch computes Q * S, and summed
+ * over k in order as ps_gemm_f32 sums: the output is, bit for bit, the float32 product with
+ * the weight Q * S (tests/test_kernels_gemm.py); independent of M, of the rows sharing a call
+ * and of the thread count.
+ */
+void ps_gemm_i8(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *wp, int64_t N,
+                const float *scale, const float *bias, float *y, int64_t ldy, int32_t threads) {
+    ps_gemm_threads(x, M, K / 4, ldx, (const float *)wp, N, bias, scale, y, ldy, threads,
+                    PS_GEMM_I8, 0);
 }
 
 /*
@@ -531,7 +622,7 @@ int ps_gemm_bf16_available(void) { return 1; }
  * packed bfloat16 weight (above); bias, y, ldy as in ps_gemm_f32. */
 void ps_gemm_bf16(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *wp,
                   int64_t N, const float *bias, float *y, int64_t ldy, int32_t threads) {
-    ps_gemm_threads((const float *)x, M, K / 2, ldx / 2, (const float *)wp, N, bias, y, ldy,
+    ps_gemm_threads((const float *)x, M, K / 2, ldx / 2, (const float *)wp, N, bias, 0, y, ldy,
                     threads, 1, 0);
 }
 #else

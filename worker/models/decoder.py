@@ -97,9 +97,10 @@ class CausalLM(nn.Module):
         return linear(hidden, self.lm_head_weight).float()
 
     # ------------------------------------------------------------------ weights
-    def pack_weights(self, bf16: bool = False) -> int:
+    def pack_weights(self, fmt: str | None = None) -> int:
         """Pack every projection (and the output head) for the C GEMM or oneDNN, once, after
-        loading (``bf16``: rounded to bfloat16, :class:`~worker.models.layers.Bf16Weight`);
+        loading (``fmt``: ``"bfloat16"`` or ``"int8"`` weights, :func:`~worker.models.layers.
+        pack_weight`);
         returns how many were packed (0 where unsupported: not float32 on a CPU).
         Checkpoint loading no longer works on a packed model. A tied head gets a packed copy;
         the embedding itself stays plain for lookups."""
@@ -108,7 +109,7 @@ class CausalLM(nn.Module):
             targets += [(layer.attn, "qkv_weight"), (layer.attn, "o_weight")]
             targets += [(layer.mlp, "gate_up_weight"), (layer.mlp, "down_weight")]
         return sum(
-            swap_for_packed(module, name, bf16, glu=name == "gate_up_weight")
+            swap_for_packed(module, name, fmt, glu=name == "gate_up_weight")
             for module, name in targets
         )
 

@@ -171,11 +171,13 @@ def _onednn_linear(
 
 
 def pack_weight(
-    weight: torch.Tensor, bf16: bool = False, glu: bool = False
+    weight: torch.Tensor, fmt: str | None = None, glu: bool = False
 ) -> torch.Tensor | PanelWeight | Bf16Weight | None:
     """A float32 CPU projection weight packed for the C GEMM (:mod:`kernels.gemm`, where
-    ``PAGEDSERVE_NATIVE_GEMM`` selects it) or else in oneDNN's blocked layout; with ``bf16``
-    rounded to bfloat16 for oneDNN (:class:`Bf16Weight`); None where none of these applies.
+    ``PAGEDSERVE_NATIVE_GEMM`` selects it) or else in oneDNN's blocked layout; with ``fmt``
+    ``"bfloat16"`` rounded to bfloat16 (:class:`Bf16Weight`), with ``"int8"`` rounded to int8
+    steps of a scale per output row for the C GEMM (:meth:`~kernels.gemm.NativeGemm.pack_int8`;
+    an input width off its 4-wide steps stays float32); None where none of these applies.
     ``glu``: a fused gate/up weight, packed for the C GEMM's SwiGLU product where it is the
     float32 path (:meth:`~kernels.gemm.NativeGemm.pack_glu`: ``linear`` then returns
     ``silu(gate) * up``), else as any other.
@@ -192,9 +194,11 @@ def pack_weight(
     """
     if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
         return None
-    if bf16:
+    if fmt == "bfloat16":
         return Bf16Weight.pack(weight)
     gemm = native_gemm.for_packing()
+    if fmt == "int8" and gemm is not None and weight.shape[1] % native_gemm.INT8_K == 0:
+        return gemm.pack_int8(weight)  # (gate/up too: the plain product, then the SwiGLU pass)
     if gemm is not None:
         return gemm.pack_glu(weight) if glu else gemm.pack(weight)
     return pack_for_onednn(weight)
@@ -208,11 +212,13 @@ def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
     return _ONEDNN_REORDER(weight.detach())
 
 
-def swap_for_packed(module: nn.Module, name: str, bf16: bool = False, glu: bool = False) -> bool:
+def swap_for_packed(
+    module: nn.Module, name: str, fmt: str | None = None, glu: bool = False
+) -> bool:
     """Replace the weight parameter ``module.<name>`` by its packed form (the plain copy is freed
     unless something else holds it, e.g. tied embeddings). False where packing is unavailable.
-    ``glu``: see :func:`pack_weight`."""
-    packed = pack_weight(getattr(module, name), bf16, glu)
+    ``fmt``, ``glu``: see :func:`pack_weight`."""
+    packed = pack_weight(getattr(module, name), fmt, glu)
     if packed is None:
         return False
     delattr(module, name)
