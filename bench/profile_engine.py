@@ -9,7 +9,7 @@ tens of rows, prefill the thousands). Pass 2 (``--torch-profiler``) runs a small
 torch.profiler and lists the top aten ops by self CPU time. Prints one JSON line.
 
     python -m bench.profile_engine [--model DIR] [--workload mixed] [--requests 48]
-        [--weight-dtype auto|bfloat16] [--kv-cache-dtype auto|bfloat16] [--torch-profiler]
+        [--weight-dtype auto|bfloat16|int8] [--kv-cache-dtype auto|bfloat16] [--torch-profiler]
 """
 
 from __future__ import annotations
@@ -206,7 +206,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--torch-profiler", action="store_true")
-    ap.add_argument("--weight-dtype", default="auto", help="auto | bfloat16 (the speed mode)")
+    ap.add_argument("--weight-dtype", default="auto", help="auto | bfloat16 | int8 (speed modes)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto | bfloat16 (half the cache)")
     args = ap.parse_args()
     import torch
