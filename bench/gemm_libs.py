@@ -16,7 +16,7 @@ count 2 x rows x out x in per product; every path's result is checked against ``
 output cast back (other numerics: never a default, measured beside the float32 paths), and
 ``native_bf16``, our C GEMM's bfloat16 path where the CPU has AVX512-BF16 (its AMX tiles where
 the CPU has AMX; ``native_bf16_vdp`` then is the same panels through ``vdpbf16ps``).
-``--int8`` adds ``native_int8``: our C GEMM over int8 weights with a scale per output row
+``--int8`` adds ``native_int8``: our C GEMM over int8 weights with a scale per 32 inputs of a row
 (``--weight-dtype int8``, float32 inputs and sums; other numerics too), and in the cold pass
 ``int8_speedup``, the float32 C GEMM's time over its.
 """
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--min-seconds", type=float, default=0.25, help="per timing")
     bf16 = "also bfloat16 weights and inputs through oneDNN (other numerics)"
     ap.add_argument("--bf16", action="store_true", help=bf16)
-    int8 = "also int8 weights (a scale per row) through the C GEMM (other numerics)"
+    int8 = "also int8 weights (a scale per 32 inputs of a row) through the C GEMM (other numerics)"
     ap.add_argument("--int8", action="store_true", help=int8)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -2,13 +2,13 @@
 
 ``--weight-dtype`` keeps float32 activations and changes only what the projections' weights are
 stored as: float32 (the default, token-for-token ``transformers``), bfloat16 (where the CPU has
-AVX512-BF16 or AMX, or through oneDNN) and int8 with a scale per output row (our C GEMM). A
-decode step of a few sequences streams every weight from memory for a few rows of arithmetic,
-so the weights' bytes set its time; at dozens of rows the arithmetic does (``bench.gemm_libs
---int8``: the products' rates). This measures the whole engine where the formats differ most:
-``--streams`` greedy chat requests at once (short questions through the model's chat template,
-``--max-tokens`` out, no early stop), in ``--rounds`` alternating rounds of every format, one
-engine per format in this process.
+AVX512-BF16 or AMX, or through oneDNN) and int8 with a scale per 32 inputs of each row (our C
+GEMM). A decode step of a few sequences streams every weight from memory for a few rows of
+arithmetic, so the weights' bytes set its time; at dozens of rows the arithmetic does
+(``bench.gemm_libs --int8``: the products' rates). This measures the whole engine where the formats
+differ most: ``--streams`` greedy chat requests at once (short questions through the model's chat
+template, ``--max-tokens`` out, no early stop), in ``--rounds`` alternating rounds of every format,
+one engine per format in this process.
 
 Per format and stream count: output tok/s (median of the rounds and each round's), the ratio
 to float32's in the same round (``over_float32``, median and per round), the projection weights'
@@ -57,13 +57,9 @@ QUESTIONS = (
 
 def weight_bytes(llm: Any) -> int:
     """Bytes of every packed projection weight of the engine's model (scales included)."""
-    model = llm.engine.runner.model
     total = 0
-    targets = [model.lm_head_weight]
-    for layer in model.layers:
-        targets += [layer.attn.qkv_weight, layer.attn.o_weight]
-        targets += [layer.mlp.gate_up_weight, layer.mlp.down_weight]
-    for weight in targets:
+    for module, name in llm.engine.runner.model.projections():
+        weight = getattr(module, name)
         for name in ("panels", "scale", "packed"):
             part = getattr(weight, name, None)
             if isinstance(part, torch.Tensor):

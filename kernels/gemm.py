@@ -47,6 +47,8 @@ from kernels import native
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "gemm.c"
+#: Its default build's flags (the decode kernel's; ``load(flags=...)`` builds others).
+FLAGS = native.FLAGS
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 #: The int8 path's k step: a panel's 4-byte element holds 4 k steps of a column (``ps_gemm_i8``).
 INT8_K = 4
@@ -75,11 +77,14 @@ class NativeGemm:
         lib.ps_gemm_f32_glu.restype = None
         lib.ps_gemm_i8.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _P, _I64, _I32]
         lib.ps_gemm_i8.restype = None
+        lib.ps_gemm_i8_group.restype = ctypes.c_int
         lib.ps_gemm_glu_partial.argtypes = [_I64, _I64]
         lib.ps_gemm_glu_partial.restype = ctypes.c_int
         self._lib = lib
         #: Output columns per panel: 16 with 8-float vectors, 32 with 16-float ones.
         self.panel_width = int(lib.ps_gemm_panel_width())
+        #: Inputs per int8 scale in this build (:meth:`pack_int8` needs :data:`INT8_GROUP`).
+        self.int8_group = int(lib.ps_gemm_i8_group())
         #: Whether this build multiplies bfloat16 weights (AVX-512 with AVX512-BF16).
         self.bf16 = bool(lib.ps_gemm_bf16_available())
         #: Whether this build has the AMX tile path and Linux granted this process the tiles:
@@ -128,6 +133,10 @@ class NativeGemm:
         n, k = weight.shape
         if k % INT8_K:
             raise ValueError(f"pack_int8 needs input features in multiples of {INT8_K}")
+        if self.int8_group != INT8_GROUP:  # a build with another PS_GEMM_KB
+            raise ValueError(
+                f"this build groups int8 scales by {self.int8_group}, not {INT8_GROUP}"
+            )
         q, scale = quantize_int8(weight.detach())
         nr = self.panel_width
         padded = -(-n // nr) * nr
@@ -332,7 +341,7 @@ def load(flags: list[str] | None = None) -> NativeGemm | None:
         log.info("native CPU GEMM disabled by %s", native.DISABLE_ENV)
         return None
     try:
-        _LOADED = NativeGemm(native.build(source=SOURCE))
+        _LOADED = NativeGemm(native.build(source=SOURCE, flags=FLAGS))
     except (OSError, RuntimeError) as exc:
         log.warning("native CPU GEMM unavailable, projections stay on oneDNN: %s", exc)
     return _LOADED

@@ -562,7 +562,3 @@ __all__ = [
     "load",
     "switched_off",
 ]
-
-
-if __name__ == "__main__":  # pragma: no cover - `python -m kernels.native`: the float32 build
-    print(build(flags=decode_flags(torch.float32)))

@@ -30,7 +30,7 @@ def builds() -> dict[str, tuple[Path, list[str]]]:
     out: dict[str, tuple[Path, list[str]]] = {}
     for dtype, (_, suffix) in native.KV_BUILDS.items():
         out[f"decode-{suffix}"] = (native.SOURCE, native.decode_flags(dtype))
-    out["gemm"] = (gemm.SOURCE, native.FLAGS)
+    out["gemm"] = (gemm.SOURCE, gemm.FLAGS)
     out["fused"] = (fused.SOURCE, fused.FLAGS)
     return out
 

@@ -37,6 +37,7 @@ def gemm(request: pytest.FixtureRequest) -> native_gemm.NativeGemm:
     lib = native_gemm.load(flags=BUILDS[request.param])
     assert lib is not None
     assert lib.panel_width == {"narrow": 16, "wide": 32}.get(request.param, lib.panel_width)
+    assert lib.int8_group == native_gemm.INT8_GROUP  # what quantize_int8 groups by
     return lib
 
 
@@ -233,6 +234,15 @@ def test_int8_groups_round_to_their_own_scale() -> None:
     per_k = scale.repeat_interleave(32, dim=1)[:, :72]
     assert ((w - q.float() * per_k).abs() <= per_k / 2 * (1 + 1e-5)).all()
     assert torch.equal(native_gemm.dequantize_int8(q, scale), q.float() * per_k)
+
+
+def test_a_build_grouping_int8_scales_otherwise_refuses_int8_weights() -> None:
+    """The kernel's group of k steps per scale follows its run length (``PS_GEMM_KB``); a build
+    with other runs would read ``quantize_int8``'s scales at the wrong steps, so it says so."""
+    other = native_gemm.load(flags=[*native.FLAGS, "-DPS_GEMM_KB=4"])
+    assert other is not None and other.int8_group == 16
+    with pytest.raises(ValueError, match="groups int8 scales by 16, not 32"):
+        other.pack_int8(torch.randn(8, 64))
 
 
 @pytest.mark.parametrize("rows", [1, 7, 48, 300])

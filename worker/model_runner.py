@@ -72,7 +72,8 @@ WEIGHT_FORMATS = ("bfloat16", "int8")
 
 def resolve_weight_dtype(name: str, dtype: torch.dtype, device: torch.device) -> str | None:
     """The projection weights' format (``--weight-dtype``): None (``auto``) keeps the model's
-    dtype; ``bfloat16`` or ``int8`` (a scale per output row, :func:`kernels.gemm.quantize_int8`)
+    dtype; ``bfloat16`` or ``int8`` (a scale per 32 inputs of each row,
+    :func:`kernels.gemm.quantize_int8`)
     only for a float32 model on a CPU, where the activations around them stay float32."""
     if name == "auto":
         return None

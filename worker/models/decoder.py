@@ -104,14 +104,19 @@ class CausalLM(nn.Module):
         returns how many were packed (0 where unsupported: not float32 on a CPU).
         Checkpoint loading no longer works on a packed model. A tied head gets a packed copy;
         the embedding itself stays plain for lookups."""
+        return sum(
+            swap_for_packed(module, name, fmt, glu=name == "gate_up_weight")
+            for module, name in self.projections()
+        )
+
+    def projections(self) -> list[tuple[nn.Module, str]]:
+        """(module, attribute) of every projection weight and the output head: what
+        :meth:`pack_weights` packs."""
         targets: list[tuple[nn.Module, str]] = [(self, "lm_head_weight")]
         for layer in self.layers:
             targets += [(layer.attn, "qkv_weight"), (layer.attn, "o_weight")]
             targets += [(layer.mlp, "gate_up_weight"), (layer.mlp, "down_weight")]
-        return sum(
-            swap_for_packed(module, name, fmt, glu=name == "gate_up_weight")
-            for module, name in targets
-        )
+        return targets
 
     def _layer_target(self, layer: DecoderLayer, name: str) -> tuple[torch.Tensor, int, int] | None:
         """(parameter, first row, end row) that the checkpoint tensor ``name`` of a layer fills."""

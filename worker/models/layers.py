@@ -176,8 +176,9 @@ def pack_weight(
     """A float32 CPU projection weight packed for the C GEMM (:mod:`kernels.gemm`, where
     ``PAGEDSERVE_NATIVE_GEMM`` selects it) or else in oneDNN's blocked layout; with ``fmt``
     ``"bfloat16"`` rounded to bfloat16 (:class:`Bf16Weight`), with ``"int8"`` rounded to int8
-    steps of a scale per output row for the C GEMM (:meth:`~kernels.gemm.NativeGemm.pack_int8`;
-    an input width off its 4-wide steps stays float32); None where none of these applies.
+    steps of a scale per 32 inputs of each row for the C GEMM
+    (:meth:`~kernels.gemm.NativeGemm.pack_int8`; an input width off its 4-wide steps stays
+    float32); None where none of these applies.
     ``glu``: a fused gate/up weight, packed for the C GEMM's SwiGLU product where it is the
     float32 path (:meth:`~kernels.gemm.NativeGemm.pack_glu`: ``linear`` then returns
     ``silu(gate) * up``), else as any other.
