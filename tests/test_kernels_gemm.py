@@ -245,14 +245,16 @@ def test_a_build_grouping_int8_scales_otherwise_refuses_int8_weights() -> None:
         other.pack_int8(torch.randn(8, 64))
 
 
-@pytest.mark.parametrize("rows", [1, 7, 48, 300])
+@pytest.mark.parametrize("rows", [1, 7, 32, 33, 48, 300])
 def test_int8_products_are_the_float32_ones_with_the_dequantized_weight(
     gemm: native_gemm.NativeGemm, rows: int
 ) -> None:
     """Each int8 weight is widened and scaled in float32 as ``dequantize_int8`` does, and summed
     in the float32 path's order: the product equals, bit for bit, the float32 C GEMM's with the
     weight ``Q * S`` (so the int8 mode computes exactly a float32 model with those weights),
-    at decode and prefill sizes, K with a short last group, biases and a partial last panel."""
+    at decode and prefill sizes, K with a short last group, biases and a partial last panel;
+    on both sides of the row count past which a call widens each block of panels once into
+    float32 ones instead of in every tile (``PS_GEMM_I8_WIDEN_ROWS``, 32)."""
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(72, 580, generator=gen)
     bias, x = torch.randn(72, generator=gen), torch.randn(rows, 580, generator=gen)

@@ -25,6 +25,7 @@
  * Built at first use by kernels/gemm.py with the machine's C compiler; called through ctypes.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 #ifdef _OPENMP
@@ -460,6 +461,98 @@ static void ps_gemm_block_rows(const float *x, int64_t M, int64_t K, int64_t ldx
     }
 }
 
+/* int8 calls of more than this many rows multiply float32 panels: each block of int8 panels is
+ * widened and scaled once into a scratch of float32 panels (ps_gemm_i8_widen), which every
+ * row tile then multiplies on the float32 path (ps_gemm_block_rows_i8). Why: widening in the
+ * tile (ps_gemm_tile) costs a sign extension, a convert and a multiply per panel vector at
+ * every k step of every tile, ~a quarter of a full tile's work: at prefill sizes the products
+ * ran 0.68-0.82x float32's rate (Xeon, SmolLM2 shapes, 128-2048 rows). Widened once per block
+ * for all the tiles of a row chunk (PS_GEMM_I8_X_BYTES), the cost is shared by 17-45 tiles
+ * at SmolLM2's shapes. The values are the same
+ * (the same widening and scaling, then the same sums in the same order): bit for bit the
+ * tile's own int8 path. Decode-sized calls keep widening in the tile: with 1-2 tiles a block
+ * the scratch's stores and re-reads would cost more than they save. */
+#ifndef PS_GEMM_I8_WIDEN_ROWS
+#define PS_GEMM_I8_WIDEN_ROWS 32
+#endif
+/* Bytes of x per row chunk there (0: half the L2, at least PS_GEMM_X_BYTES): taller chunks
+ * than the float32 path's, so that more tiles share each widening (SmolLM2's down projection,
+ * K 1536: 30-row chunks ran 0.79-0.81x float32, 160-row ones 0.93-1.07x; Xeon, 2 MB L2). */
+#ifndef PS_GEMM_I8_X_BYTES
+#define PS_GEMM_I8_X_BYTES 0
+#endif
+
+/* A scratch of ``floats`` floats for this thread, 64-byte aligned, kept for the thread's next
+ * calls (grown when too small; NULL if that fails). One per thread: OpenMP's workers live on. */
+static float *ps_gemm_scratch(int64_t floats) {
+    static __thread float *buf;
+    static __thread int64_t cap;
+    if (floats <= cap) return buf;
+    free(buf);
+    const int64_t bytes = (floats * (int64_t)sizeof(float) + 63) / 64 * 64;
+    buf = aligned_alloc(64, (size_t)bytes);
+    cap = buf ? floats : 0;
+    return buf;
+}
+
+/* Int8 panel p's elements [e0, e1) (4 k steps each) as float32 panel rows 4 e0 .. 4 e1 - 1 of
+ * dst (a float32 panel of the same K: dst[k][c]), each weight widened and scaled exactly as
+ * ps_gemm_tile's int8 path does. K4: the panel's elements; scale: the panels' scales. */
+static void ps_gemm_i8_widen(const float *wp, const float *scale, int64_t K4, int64_t p,
+                             int64_t e0, int64_t e1, float *dst) {
+    const int8_t *wq = (const int8_t *)(wp + p * K4 * PS_GEMM_NR);
+    const float *st = scale + p * ((K4 + PS_GEMM_KB - 1) / PS_GEMM_KB) * PS_GEMM_NR;
+    for (int64_t e = e0; e < e1; ++e) {
+        vwsf sc[PS_GEMM_NRV];
+        for (int j = 0; j < PS_GEMM_NRV; ++j)
+            sc[j] = ps_wload(st + e / PS_GEMM_KB * PS_GEMM_NR + j * PS_WIDE_LANES);
+        for (int s = 0; s < 4; ++s)
+            for (int j = 0; j < PS_GEMM_NRV; ++j)
+                ps_wstore(dst + (4 * e + s) * PS_GEMM_NR + j * PS_WIDE_LANES,
+                          ps_i8_load(wq + (4 * e + s) * PS_GEMM_NR + j * PS_WIDE_LANES) * sc[j]);
+    }
+}
+
+/* ps_gemm_block_rows for int8 panels past PS_GEMM_I8_WIDEN_ROWS rows: K in floats (4 per int8
+ * element), kc a slice of it (a multiple of 4), the same blocks, slices and tiles as the float32
+ * path, each block's slice widened into ``buf`` (per_block float32 panels of K rows) first. The
+ * last panel of an N that is not a multiple of NR runs the whole K in the first slice, so it is
+ * widened whole there. No requests for the next block (the float32 path makes them up to
+ * PS_GEMM_NEXT_ROWS rows): the widening reads each block in order, as the prefetchers follow. */
+static void ps_gemm_block_rows_i8(const float *x, int64_t M, int64_t K, int64_t ldx,
+                                  const float *wp, int64_t N, const float *bias,
+                                  const float *scale, float *y, int64_t ldy, int64_t p0,
+                                  int64_t p1, int64_t kc, int64_t per_block, int64_t mr_max,
+                                  float *buf) {
+    const int64_t tiles = (M + mr_max - 1) / mr_max, K4 = K / 4;
+    ps_gemm_ahead none = {0, 0, 0, 0};
+    for (int64_t b0 = p0; b0 < p1; b0 += per_block) {
+        const int64_t b1 = b0 + per_block < p1 ? b0 + per_block : p1;
+        for (int64_t k0 = 0; k0 < K; k0 += kc) {
+            const int64_t k1 = k0 + kc < K ? k0 + kc : K;
+            for (int64_t p = b0; p < b1; ++p) {
+                const int whole = N - p * PS_GEMM_NR < PS_GEMM_NR;
+                if (whole && k0 > 0) continue;
+                ps_gemm_i8_widen(wp, scale, K4, p, whole ? 0 : k0 / 4, whole ? K4 : k1 / 4,
+                                 buf + (p - b0) * K * PS_GEMM_NR);
+            }
+            for (int64_t ti = 0, m0 = 0; ti < tiles; ++ti) {
+                const int64_t mr = M / tiles + (ti < M % tiles);
+                for (int64_t p = b0; p < b1; ++p) {
+                    const int64_t c0 = p * PS_GEMM_NR;
+                    const int64_t ncols = N - c0 < PS_GEMM_NR ? N - c0 : PS_GEMM_NR;
+                    const int whole = ncols < PS_GEMM_NR;
+                    if (whole && k0 > 0) continue;
+                    ps_gemm_rows(x + m0 * ldx, ldx, buf + (p - b0) * K * PS_GEMM_NR, K,
+                                 y + m0 * ldy + c0, ldy, mr, bias ? bias + c0 : 0, ncols, k0,
+                                 whole ? K : k1, &none);
+                }
+                m0 += mr;
+            }
+        }
+    }
+}
+
 /* Bytes of this core's L2 (0 where the C library cannot tell). */
 static int64_t ps_gemm_l2_bytes(void) {
     static int64_t bytes = -1; /* every thread finds the same value: a benign race */
@@ -468,6 +561,29 @@ static int64_t ps_gemm_l2_bytes(void) {
         bytes = s > 0 ? s : 0;
     }
     return bytes;
+}
+
+/* ps_gemm_panels for int8 panels widened per block (PS_GEMM_I8_WIDEN_ROWS), K in floats: the
+ * float32 path's slices, blocks and row chunks. 0 (nothing done) if the scratch cannot be had. */
+static int ps_gemm_panels_i8(const float *x, int64_t M, int64_t K, int64_t ldx, const float *wp,
+                             int64_t N, const float *bias, const float *scale, float *y,
+                             int64_t ldy, int64_t p0, int64_t p1) {
+    const int64_t kc = ps_gemm_kc(M, K);
+    const int64_t mr_max = M <= PS_GEMM_NEXT_ROWS ? PS_GEMM_MR : PS_GEMM_MR_BIG;
+    int64_t per_block = PS_GEMM_BLOCK_BYTES / (kc * PS_GEMM_NR * (int64_t)sizeof(float));
+    if (per_block < 1) per_block = 1;
+    float *buf = ps_gemm_scratch(per_block * K * PS_GEMM_NR);
+    if (!buf) return 0;
+    int64_t x_bytes = PS_GEMM_I8_X_BYTES ? PS_GEMM_I8_X_BYTES : ps_gemm_l2_bytes() / 2;
+    if (x_bytes < PS_GEMM_X_BYTES) x_bytes = PS_GEMM_X_BYTES;
+    int64_t chunk = x_bytes / (kc * (int64_t)sizeof(float)) / mr_max * mr_max;
+    if (chunk < mr_max) chunk = mr_max;
+    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+        const int64_t mc = M - m0 < chunk ? M - m0 : chunk;
+        ps_gemm_block_rows_i8(x + m0 * ldx, mc, K, ldx, wp, N, bias, scale, y + m0 * ldy, ldy,
+                              p0, p1, kc, per_block, mr_max, buf);
+    }
+    return 1;
 }
 
 /* Rows in chunks whose k slice of x fits PS_GEMM_X_BYTES beside the weight block (a 2048-row
@@ -483,6 +599,10 @@ static void ps_gemm_panels(const float *x, int64_t M, int64_t K, int64_t ldx, co
                            int64_t N, const float *bias, const float *scale, float *y,
                            int64_t ldy, int64_t p0, int64_t p1, int bf16,
                            const ps_gemm_glu *glu) {
+    if (bf16 == PS_GEMM_I8 && M > PS_GEMM_I8_WIDEN_ROWS && ps_gemm_panels_i8(x, M, 4 * K, ldx,
+                                                                            wp, N, bias, scale,
+                                                                            y, ldy, p0, p1))
+        return;
     const int64_t kc = ps_gemm_kc(M, K);
     const int ahead = PS_GEMM_NEXT && M <= PS_GEMM_NEXT_ROWS;
     const int64_t mr_max = M <= PS_GEMM_NEXT_ROWS ? PS_GEMM_MR : PS_GEMM_MR_BIG;
