@@ -21,10 +21,12 @@ panels multiply on its tiles (``ps_gemm_bf16_amx``): on an Intel Xeon decode-siz
 session).
 
 int8 weights (:meth:`NativeGemm.pack_int8`, ``--weight-dtype int8``): a scale per 32 inputs of
-each row, the int8 values widened and scaled in registers (``ps_gemm_i8``), so each product is
+each row, the int8 values widened and scaled in registers (``ps_gemm_i8``; past 32 rows a call
+widens each block of panels once into float32 panels for all its row tiles), so each product is
 bit for bit the float32 one with the weight ``Q * S``; ~0.28 of float32's bytes, for decode
 steps of a few rows (on a Zen 4 EPYC, 30 cold SmolLM2 layers: 2.9x float32's speed at 1 row,
-1.6x at 4, 0.9x from 16; bench/README.md, a thirty-seventh session).
+1.6x at 4, 0.9x from 16; bench/README.md, a thirty-seventh session; prefill-sized calls
+0.91-1.03x float32's rate on a Xeon, a thirty-eighth).
 
 A model's fused gate/up weight is packed with :meth:`NativeGemm.pack_glu` instead: gate and up
 rows of the same outputs share each panel, and the product returns SwiGLU's ``silu(gate) * up``

@@ -698,9 +698,10 @@ void ps_gemm_f32_glu(const float *x, int64_t M, int64_t K, int64_t ldx, const fl
  *
  * Why: a decode step streams every weight from DRAM; at a few rows a step that stream is the
  * step's time, and int8 panels are ~0.28 of float32's bytes with their scales (~0.56 of
- * bfloat16's). Each k step widens the panel's int8 row to float32 in registers (a sign
- * extension, a convert and a multiply by the group's scale per vector, beside the tile's
- * multiply-adds). Why a scale per group of 32 and not per row: a row's few large weights
+ * bfloat16's). In calls of up to 32 rows each k step widens the panel's int8 row to float32
+ * in registers (a sign extension, a convert and a multiply by the group's scale per vector,
+ * beside the tile's multiply-adds); past that each block of panels is widened once into
+ * float32 panels that all the tiles of a row chunk multiply (PS_GEMM_I8_WIDEN_ROWS). Why a scale per group of 32 and not per row: a row's few large weights
  * coarsen all of it (SmolLM2's projections: 0.89% relative RMS error with a scale per row,
  * 0.52% per group of 32; bfloat16 0.14%); a group's scale follows the weights' local range
  * (GGUF's Q8_0 blocks are 32 too).
