@@ -12,7 +12,8 @@ rounds in one process, with the same weights and inputs for all three:
   ``--cold-rows`` rows (decode steps).
 
 float32 panels, or with ``--bf16`` bfloat16 ones (on an AMX CPU its tiles, as the engine runs
-them; ``--no-amx``: through ``vdpbf16ps`` there too, the path of CPUs without AMX). Prints one
+them; ``--no-amx``: through ``vdpbf16ps`` there too, the path of CPUs without AMX), or with
+``--int8`` int8 ones with a scale per 32 inputs (``--weight-dtype int8``). Prints one
 JSON line: per case each build's median ms and GFLOP/s, ``ours/base`` and ``control/base``
 speeds, and whether ours and the control give outputs bit-identical to the base's (the
 kernel's sums are in a fixed order: a change in blocking or code layout keeps them).
@@ -22,7 +23,7 @@ has ``pack_glu`` packs them for its SwiGLU product, one without multiplies and t
 fused SwiGLU pass (:mod:`kernels.fused`); GFLOP/s still count the products alone.
 
     python -m bench.gemm_ab --base /tmp/base [--rounds 7] [--rows 2048] [--cold-rows 16,64]
-        [--layers 30] [--bf16 [--no-amx]] [--swiglu] [--flags=-mno-avx512f]
+        [--layers 30] [--bf16 [--no-amx] | --int8] [--swiglu] [--flags=-mno-avx512f]
 """
 
 from __future__ import annotations
@@ -91,7 +92,12 @@ class Product:
 
 
 def pack_all(
-    libs: dict[str, NativeGemm], case: Case, bf16: bool, amx: bool | None, swiglu: bool = False
+    libs: dict[str, NativeGemm],
+    case: Case,
+    bf16: bool,
+    amx: bool | None,
+    swiglu: bool = False,
+    int8: bool = False,
 ) -> dict[str, list[Product]]:
     """Each build's packing of the same seeded weights (one at a time: no float32 copies kept).
     ``swiglu``: gate/up weights packed for the build's SwiGLU product where it has one
@@ -105,6 +111,8 @@ def pack_all(
         for name, lib in libs.items():
             if bf16:
                 packed[name].append(Product(lib.pack_bf16(w, amx)))
+            elif int8:
+                packed[name].append(Product(lib.pack_int8(w)))
             elif glu and hasattr(lib, "pack_glu"):
                 packed[name].append(Product(lib.pack_glu(w)))
             else:
@@ -131,8 +139,9 @@ def compare(
     bf16: bool,
     amx: bool | None,
     swiglu: bool = False,
+    int8: bool = False,
 ) -> dict[str, object]:
-    packed = pack_all(libs, case, bf16, amx, swiglu)
+    packed = pack_all(libs, case, bf16, amx, swiglu, int8)
     gen = torch.Generator().manual_seed(1)
     xs = {k: torch.randn(case.rows, k, generator=gen) for k in {k for _, k in case.shapes}}
     runs = {name: partial(run_once, packed[name], xs, case.repeats) for name in libs}
@@ -147,6 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layers", type=int, default=30, help="SmolLM2 layers of a cold pass")
     ap.add_argument("--bf16", action="store_true", help="bfloat16 panels (AVX512-BF16 / AMX)")
     ap.add_argument("--no-amx", action="store_true", help="--bf16 through vdpbf16ps on AMX CPUs")
+    ap.add_argument("--int8", action="store_true", help="int8 panels (--weight-dtype int8)")
     ap.add_argument(
         "--swiglu",
         action="store_true",
@@ -155,8 +165,10 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.no_amx and not args.bf16:
         ap.error("--no-amx picks a bfloat16 path: give --bf16 too")
-    if args.swiglu and args.bf16:
-        ap.error("--swiglu is the float32 SwiGLU product: not with --bf16")
+    if args.swiglu and (args.bf16 or args.int8):
+        ap.error("--swiglu is the float32 SwiGLU product: not with --bf16 or --int8")
+    if args.int8 and args.bf16:
+        ap.error("--int8 and --bf16 are two weight formats: one at a time")
     torch.set_num_threads(args.threads)
     base_gemm = tree_module(args.base, "kernels/gemm.py", "_ab_base_gemm").NativeGemm
     libs = ab_builds("kernels/csrc/gemm.c", NativeGemm, args.base, args.flags, base_gemm)
@@ -166,10 +178,13 @@ def main(argv: list[str] | None = None) -> None:
     cold_rows = [int(r) for r in args.cold_rows.split(",") if r]
     todo = cases(rows, cold_rows, args.layers)
     amx = False if args.no_amx else None  # None: each build's own choice (its tiles if any)
-    results = [compare(libs, case, args.rounds, args.bf16, amx, args.swiglu) for case in todo]
+    results = [
+        compare(libs, case, args.rounds, args.bf16, amx, args.swiglu, args.int8) for case in todo
+    ]
     emit("gemm_ab", {
         "base": str(args.base), "threads": args.threads, "rounds": args.rounds,
         "layers": args.layers, "flags": args.flags, "bf16": args.bf16, "swiglu": args.swiglu,
+        "int8": args.int8,
         "amx": args.bf16 and not args.no_amx and libs["ours"].amx,
         "panel_width": libs["ours"].panel_width,
         "results": results,

@@ -518,7 +518,9 @@ def test_prefill_ab_times_three_builds_and_checks_their_outputs(
         assert got["bit_identical"] == {"ours": True, "control": True}
 
 
-@pytest.mark.parametrize("mode", [(), ("--bf16",), ("--bf16", "--no-amx"), ("--swiglu",)], ids=str)
+@pytest.mark.parametrize(
+    "mode", [(), ("--bf16",), ("--bf16", "--no-amx"), ("--swiglu",), ("--int8",)], ids=str
+)
 def test_gemm_ab_times_three_builds_and_checks_their_outputs(
     mode: tuple[str, ...], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -526,7 +528,7 @@ def test_gemm_ab_times_three_builds_and_checks_their_outputs(
     builds (ours, base, a control build of base), all three bit-identical (each output's sum is
     in a fixed order, whatever the code's placement); float32 panels, and bfloat16 ones where
     the build has them (on an AMX CPU its tiles, and with ``--no-amx`` ``vdpbf16ps``), and with
-    ``--swiglu`` the gate/up products as SwiGLU products."""
+    ``--swiglu`` the gate/up products as SwiGLU products; ``--int8`` int8 panels."""
     from bench import gemm_ab
     from kernels import gemm
 
@@ -540,7 +542,7 @@ def test_gemm_ab_times_three_builds_and_checks_their_outputs(
     rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [r["case"].split()[0] for r in rec["results"]] == ["hot"] * 6 + ["cold"]
     assert rec["bf16"] is bf16 and rec["amx"] is (mode == ("--bf16",) and lib.amx)
-    assert rec["swiglu"] is ("--swiglu" in mode)
+    assert rec["swiglu"] is ("--swiglu" in mode) and rec["int8"] is ("--int8" in mode)
     for got in rec["results"]:
         assert set(got["ms"]) == {"ours", "base", "control"} and min(got["ms"].values()) > 0
         assert min(got["gflops"].values()) > 0 and got["ours/base"] > 0
