@@ -444,3 +444,37 @@ def test_the_mlp_runs_swiglu_in_the_product_once_packed_for_it(mlp_bias: bool) -
     assert swap_for_packed(mlp, "gate_up_weight", glu=True)
     assert isinstance(mlp.gate_up_weight, native_gemm.PanelWeight) and mlp.gate_up_weight.glu
     torch.testing.assert_close(mlp(x), plain, rtol=1e-5, atol=1e-5)
+
+
+def test_int8_widening_scratch_is_freed_when_its_thread_ends() -> None:
+    """Calls past 32 rows widen int8 panels into a scratch per calling thread (1.8 MB here: K
+    4864, as Qwen2-0.5B's down projection): it is kept for the thread's next calls and freed
+    when the thread ends, so threads that come and go (a thread pool calling the engine) do not
+    leave their scratch behind (without the free: ~110 MB over these 60 threads)."""
+    import threading
+
+    lib = native_gemm.load()
+    assert lib is not None
+    gen = torch.Generator().manual_seed(6)
+    w = lib.pack_int8(torch.randn(576, 4864, generator=gen) * 0.02)
+    x = torch.randn(300, 4864, generator=gen)  # 3 panels of k slices of 512: 1.8 MB
+    want = w.matmul(x)
+
+    def resident_mb() -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096 / 2**20
+
+    threads = torch.get_num_threads()
+    results: list[bool] = []
+    try:
+        torch.set_num_threads(1)  # the calling thread widens (no OpenMP workers)
+        before = resident_mb()
+        for _ in range(60):
+            t = threading.Thread(target=lambda: results.append(torch.equal(w.matmul(x), want)))
+            t.start()
+            t.join()
+        grown = resident_mb() - before
+    finally:
+        torch.set_num_threads(threads)
+    assert results == [True] * 60
+    assert grown < 40, f"resident memory grew {grown:.0f} MB over 60 threads"

@@ -24,6 +24,7 @@
  *
  * Built at first use by kernels/gemm.py with the machine's C compiler; called through ctypes.
  */
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -483,16 +484,41 @@ static void ps_gemm_block_rows(const float *x, int64_t M, int64_t K, int64_t ldx
 #endif
 
 /* A scratch of ``floats`` floats for this thread, 64-byte aligned, kept for the thread's next
- * calls (grown when too small; NULL if that fails). One per thread: OpenMP's workers live on. */
+ * calls (grown when too small) and freed when the thread ends (a thread-specific key's
+ * destructor: without it each ended thread that had called left its scratch behind, ~1.8 MB a
+ * thread at K 4864); NULL if it cannot be had (the caller then widens in the tiles). */
+typedef struct {
+    float *buf;
+    int64_t cap;
+} ps_gemm_scratch_t;
+static pthread_key_t ps_gemm_scratch_key;
+static int ps_gemm_scratch_ok;
+static pthread_once_t ps_gemm_scratch_once = PTHREAD_ONCE_INIT;
+static void ps_gemm_scratch_free(void *p) {
+    ps_gemm_scratch_t *s = p;
+    free(s->buf);
+    free(s);
+}
+static void ps_gemm_scratch_init(void) {
+    ps_gemm_scratch_ok = pthread_key_create(&ps_gemm_scratch_key, ps_gemm_scratch_free) == 0;
+}
 static float *ps_gemm_scratch(int64_t floats) {
-    static __thread float *buf;
-    static __thread int64_t cap;
-    if (floats <= cap) return buf;
-    free(buf);
+    pthread_once(&ps_gemm_scratch_once, ps_gemm_scratch_init);
+    if (!ps_gemm_scratch_ok) return 0;
+    ps_gemm_scratch_t *s = pthread_getspecific(ps_gemm_scratch_key);
+    if (!s) {
+        s = calloc(1, sizeof *s);
+        if (!s || pthread_setspecific(ps_gemm_scratch_key, s)) {
+            free(s);
+            return 0;
+        }
+    }
+    if (floats <= s->cap) return s->buf;
+    free(s->buf);
     const int64_t bytes = (floats * (int64_t)sizeof(float) + 63) / 64 * 64;
-    buf = aligned_alloc(64, (size_t)bytes);
-    cap = buf ? floats : 0;
-    return buf;
+    s->buf = aligned_alloc(64, (size_t)bytes);
+    s->cap = s->buf ? floats : 0;
+    return s->buf;
 }
 
 /* Int8 panel p's elements [e0, e1) (4 k steps each) as float32 panel rows 4 e0 .. 4 e1 - 1 of
