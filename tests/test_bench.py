@@ -409,8 +409,10 @@ def test_weight_formats_times_each_format_against_float32(
     for row in rec["streams"].values():
         f32, int8 = row["float32"], row["int8"]
         assert len(f32["tok_s_rounds"]) == 2 and all(x > 0 for x in f32["tok_s_rounds"])
+        # each round's ratio of the same round's rates (printed rounded to 0.1 tok/s, the
+        # ratio to 0.001: equal up to those roundings)
         paired = [a / b for a, b in zip(int8["tok_s_rounds"], f32["tok_s_rounds"], strict=True)]
-        assert int8["over_float32_rounds"] == [round(x, 3) for x in paired]
+        assert int8["over_float32_rounds"] == pytest.approx(paired, rel=5e-3, abs=1e-3)
         assert 0.0 <= int8["agreement"] <= 1.0 and "agreement" not in f32
 
 
