@@ -401,78 +401,18 @@ static ps_gemm_ahead ps_gemm_next_block(const float *wp, int64_t K, int64_t b0, 
     return a;
 }
 
-/* Rows [0, M) times panels [p0, p1) over k slices of kc: blocks of panels whose slice fits
- * PS_GEMM_BLOCK_BYTES, each read from memory once per slice and reused from L2 by every row
- * tile. The last panel of an N that is not a multiple of NR has no room for partial sums in
- * y: it runs the whole K in the first slice. ``next``: 0 no requests ahead, 1 the next
- * block, 2 also the first block after the last. ``glu`` (NULL: none): a GLU call's outputs
- * (ps_gemm_f32_glu; N is then its outputs, y its partial sums, whole panels wide). */
-static void ps_gemm_block_rows(const float *x, int64_t M, int64_t K, int64_t ldx,
-                               const float *wp, int64_t N, const float *bias,
-                               const float *scale, float *y, int64_t ldy, int64_t p0, int64_t p1,
-                               int64_t kc, int next, int bf16, const ps_gemm_glu *glu,
-                               int64_t mr_max) {
-    const int64_t panel_floats = K * PS_GEMM_NR;
-    int64_t per_block = PS_GEMM_BLOCK_BYTES / (kc * PS_GEMM_NR * (int64_t)sizeof(float));
-    if (per_block < 1) per_block = 1;
-    /* row tiles of near-equal height (20 rows: 5 + 5 + 5 + 5, not 6 + 6 + 6 + 2): a tile of
-     * 1-2 rows has too few independent sums to hide the multiply-add's latency */
-    const int64_t tiles = (M + mr_max - 1) / mr_max;
-    for (int64_t b0 = p0; b0 < p1; b0 += per_block) {
-        const int64_t b1 = b0 + per_block < p1 ? b0 + per_block : p1;
-        /* one k slice (every decode-sized call): the next block is contiguous in wp */
-        ps_gemm_ahead ahead = {0, 0, 0, 0};
-        if (next && kc == K)
-            ahead = ps_gemm_next_block(wp, K, b0, b1, p0, p1, per_block, tiles, next == 2);
-        for (int64_t k0 = 0; k0 < K; k0 += kc) {
-            const int64_t k1 = k0 + kc < K ? k0 + kc : K;
-            for (int64_t ti = 0, m0 = 0; ti < tiles; ++ti) {
-                const int64_t mr = M / tiles + (ti < M % tiles);
-                for (int64_t p = b0; p < b1; ++p) {
-                    const int64_t c0 = p * PS_GEMM_NR;
-                    /* a GLU panel: PS_WIDE_LANES outputs (gate and up columns side by side) */
-                    const int64_t cw = glu ? PS_WIDE_LANES : PS_GEMM_NR, o0 = p * cw;
-                    const int64_t ncols = N - o0 < cw ? N - o0 : cw;
-                    const int whole = !glu && ncols < PS_GEMM_NR;
-                    if (whole && k0 > 0) continue;
-                    /* a direct call each (the float32 one inlined here, as before) */
-                    const float *xt = x + m0 * ldx, *wt = wp + p * panel_floats;
-                    const int64_t kt = whole ? K : k1;
-                    float *yt = y ? y + m0 * ldy + c0 : 0;
-                    const float *bt = bias ? bias + (glu ? o0 : c0) : 0;
-                    if (bf16 == PS_GEMM_I8) {
-                        /* the panel's scales: a group per PS_GEMM_KB elements of K */
-                        const int64_t groups = (K + PS_GEMM_KB - 1) / PS_GEMM_KB;
-                        const float *st = scale + p * groups * PS_GEMM_NR;
-                        ps_gemm_i8_rows(xt, ldx, wt, K, yt, ldy, mr, bt, st, ncols, k0, kt,
-                                        &ahead);
-                    } else if (PS_GEMM_HAS_BF16 && bf16) {
-                        ps_gemm_bf16_rows(xt, ldx, wt, K, yt, ldy, mr, bt, ncols, k0, kt, &ahead);
-                    } else if (glu) {
-                        const ps_gemm_glu g = {glu->out + m0 * glu->ldo + o0, glu->ldo, glu->up};
-                        ps_gemm_rows_glu(xt, ldx, wt, K, yt, ldy, mr, bt, ncols, k0, kt, &ahead,
-                                         &g);
-                    } else {
-                        ps_gemm_rows(xt, ldx, wt, K, yt, ldy, mr, bt, ncols, k0, kt, &ahead);
-                    }
-                }
-                m0 += mr;
-            }
-        }
-    }
-}
-
 /* int8 calls of more than this many rows multiply float32 panels: each block of int8 panels is
  * widened and scaled once into a scratch of float32 panels (ps_gemm_i8_widen), which every
- * row tile then multiplies on the float32 path (ps_gemm_block_rows_i8). Why: widening in the
- * tile (ps_gemm_tile) costs a sign extension, a convert and a multiply per panel vector at
- * every k step of every tile, ~a quarter of a full tile's work: at prefill sizes the products
- * ran 0.68-0.82x float32's rate (Xeon, SmolLM2 shapes, 128-2048 rows). Widened once per block
- * for all the tiles of a row chunk (PS_GEMM_I8_X_BYTES), the cost is shared by 17-45 tiles
- * at SmolLM2's shapes. The values are the same
- * (the same widening and scaling, then the same sums in the same order): bit for bit the
- * tile's own int8 path. Decode-sized calls keep widening in the tile: with 1-2 tiles a block
- * the scratch's stores and re-reads would cost more than they save. */
+ * row tile then multiplies on the float32 path (ps_gemm_block_rows' ``wide``). Why: widening
+ * in the tile (ps_gemm_tile) costs a sign extension, a convert and a multiply per panel vector
+ * at every k step of every tile, ~a quarter of a full tile's work: at prefill sizes the
+ * products ran 0.68-0.82x float32's rate (Xeon, SmolLM2 shapes, 128-2048 rows). Widened once
+ * per block for all the tiles of a row chunk (PS_GEMM_I8_X_BYTES), the cost is shared by 17-45
+ * tiles at SmolLM2's shapes. The values are the same (the same widening and scaling, then the
+ * same sums in the same order): bit for bit the tile's own int8 path. Calls of up to 32 rows
+ * keep widening in the tile: with 1-3 tiles a block the scratch's stores and re-reads cost as
+ * much as they save. No requests for the next block there (the float32 path makes them up to
+ * PS_GEMM_NEXT_ROWS rows): the widening reads each block in order, as the prefetchers follow. */
 #ifndef PS_GEMM_I8_WIDEN_ROWS
 #define PS_GEMM_I8_WIDEN_ROWS 32
 #endif
@@ -539,39 +479,76 @@ static void ps_gemm_i8_widen(const float *wp, const float *scale, int64_t K4, in
     }
 }
 
-/* ps_gemm_block_rows for int8 panels past PS_GEMM_I8_WIDEN_ROWS rows: K in floats (4 per int8
- * element), kc a slice of it (a multiple of 4), the same blocks, slices and tiles as the float32
- * path, each block's slice widened into ``buf`` (per_block float32 panels of K rows) first. The
- * last panel of an N that is not a multiple of NR runs the whole K in the first slice, so it is
- * widened whole there. No requests for the next block (the float32 path makes them up to
- * PS_GEMM_NEXT_ROWS rows): the widening reads each block in order, as the prefetchers follow. */
-static void ps_gemm_block_rows_i8(const float *x, int64_t M, int64_t K, int64_t ldx,
-                                  const float *wp, int64_t N, const float *bias,
-                                  const float *scale, float *y, int64_t ldy, int64_t p0,
-                                  int64_t p1, int64_t kc, int64_t per_block, int64_t mr_max,
-                                  float *buf) {
-    const int64_t tiles = (M + mr_max - 1) / mr_max, K4 = K / 4;
-    ps_gemm_ahead none = {0, 0, 0, 0};
+/* Panels per block: a k slice of kc elements of each fits PS_GEMM_BLOCK_BYTES (at least 1). */
+static inline int64_t ps_gemm_per_block(int64_t kc) {
+    const int64_t n = PS_GEMM_BLOCK_BYTES / (kc * PS_GEMM_NR * (int64_t)sizeof(float));
+    return n < 1 ? 1 : n;
+}
+
+/* Rows [0, M) times panels [p0, p1) over k slices of kc: blocks of panels whose slice fits
+ * PS_GEMM_BLOCK_BYTES, each read from memory once per slice and reused from L2 by every row
+ * tile. The last panel of an N that is not a multiple of NR has no room for partial sums in
+ * y: it runs the whole K in the first slice. ``next``: 0 no requests ahead, 1 the next
+ * block, 2 also the first block after the last. ``glu`` (NULL: none): a GLU call's outputs
+ * (ps_gemm_f32_glu; N is then its outputs, y its partial sums, whole panels wide). ``wide``
+ * (NULL: none): wp holds int8 panels (with ``scale``) and K, kc count floats; each block's
+ * slice is widened into ``wide`` (ps_gemm_i8_widen: per_block float32 panels of K rows) and
+ * the float32 tiles (bf16 0) multiply that. */
+static void ps_gemm_block_rows(const float *x, int64_t M, int64_t K, int64_t ldx,
+                               const float *wp, int64_t N, const float *bias,
+                               const float *scale, float *y, int64_t ldy, int64_t p0, int64_t p1,
+                               int64_t kc, int next, int bf16, const ps_gemm_glu *glu,
+                               int64_t mr_max, float *wide) {
+    const int64_t panel_floats = K * PS_GEMM_NR;
+    const int64_t per_block = ps_gemm_per_block(kc);
+    /* row tiles of near-equal height (20 rows: 5 + 5 + 5 + 5, not 6 + 6 + 6 + 2): a tile of
+     * 1-2 rows has too few independent sums to hide the multiply-add's latency */
+    const int64_t tiles = (M + mr_max - 1) / mr_max;
     for (int64_t b0 = p0; b0 < p1; b0 += per_block) {
         const int64_t b1 = b0 + per_block < p1 ? b0 + per_block : p1;
+        /* one k slice (every decode-sized call): the next block is contiguous in wp */
+        ps_gemm_ahead ahead = {0, 0, 0, 0};
+        if (next && kc == K)
+            ahead = ps_gemm_next_block(wp, K, b0, b1, p0, p1, per_block, tiles, next == 2);
         for (int64_t k0 = 0; k0 < K; k0 += kc) {
             const int64_t k1 = k0 + kc < K ? k0 + kc : K;
-            for (int64_t p = b0; p < b1; ++p) {
+            for (int64_t p = b0; wide && p < b1; ++p) { /* the whole last panel at k0 == 0 */
                 const int whole = N - p * PS_GEMM_NR < PS_GEMM_NR;
                 if (whole && k0 > 0) continue;
-                ps_gemm_i8_widen(wp, scale, K4, p, whole ? 0 : k0 / 4, whole ? K4 : k1 / 4,
-                                 buf + (p - b0) * K * PS_GEMM_NR);
+                ps_gemm_i8_widen(wp, scale, K / 4, p, whole ? 0 : k0 / 4, whole ? K / 4 : k1 / 4,
+                                 wide + (p - b0) * panel_floats);
             }
             for (int64_t ti = 0, m0 = 0; ti < tiles; ++ti) {
                 const int64_t mr = M / tiles + (ti < M % tiles);
                 for (int64_t p = b0; p < b1; ++p) {
                     const int64_t c0 = p * PS_GEMM_NR;
-                    const int64_t ncols = N - c0 < PS_GEMM_NR ? N - c0 : PS_GEMM_NR;
-                    const int whole = ncols < PS_GEMM_NR;
+                    /* a GLU panel: PS_WIDE_LANES outputs (gate and up columns side by side) */
+                    const int64_t cw = glu ? PS_WIDE_LANES : PS_GEMM_NR, o0 = p * cw;
+                    const int64_t ncols = N - o0 < cw ? N - o0 : cw;
+                    const int whole = !glu && ncols < PS_GEMM_NR;
                     if (whole && k0 > 0) continue;
-                    ps_gemm_rows(x + m0 * ldx, ldx, buf + (p - b0) * K * PS_GEMM_NR, K,
-                                 y + m0 * ldy + c0, ldy, mr, bias ? bias + c0 : 0, ncols, k0,
-                                 whole ? K : k1, &none);
+                    /* a direct call each (the float32 one inlined here, as before) */
+                    const float *xt = x + m0 * ldx;
+                    const float *wt =
+                        wide ? wide + (p - b0) * panel_floats : wp + p * panel_floats;
+                    const int64_t kt = whole ? K : k1;
+                    float *yt = y ? y + m0 * ldy + c0 : 0;
+                    const float *bt = bias ? bias + (glu ? o0 : c0) : 0;
+                    if (bf16 == PS_GEMM_I8) {
+                        /* the panel's scales: a group per PS_GEMM_KB elements of K */
+                        const int64_t groups = (K + PS_GEMM_KB - 1) / PS_GEMM_KB;
+                        const float *st = scale + p * groups * PS_GEMM_NR;
+                        ps_gemm_i8_rows(xt, ldx, wt, K, yt, ldy, mr, bt, st, ncols, k0, kt,
+                                        &ahead);
+                    } else if (PS_GEMM_HAS_BF16 && bf16) {
+                        ps_gemm_bf16_rows(xt, ldx, wt, K, yt, ldy, mr, bt, ncols, k0, kt, &ahead);
+                    } else if (glu) {
+                        const ps_gemm_glu g = {glu->out + m0 * glu->ldo + o0, glu->ldo, glu->up};
+                        ps_gemm_rows_glu(xt, ldx, wt, K, yt, ldy, mr, bt, ncols, k0, kt, &ahead,
+                                         &g);
+                    } else {
+                        ps_gemm_rows(xt, ldx, wt, K, yt, ldy, mr, bt, ncols, k0, kt, &ahead);
+                    }
                 }
                 m0 += mr;
             }
@@ -589,29 +566,6 @@ static int64_t ps_gemm_l2_bytes(void) {
     return bytes;
 }
 
-/* ps_gemm_panels for int8 panels widened per block (PS_GEMM_I8_WIDEN_ROWS), K in floats: the
- * float32 path's slices, blocks and row chunks. 0 (nothing done) if the scratch cannot be had. */
-static int ps_gemm_panels_i8(const float *x, int64_t M, int64_t K, int64_t ldx, const float *wp,
-                             int64_t N, const float *bias, const float *scale, float *y,
-                             int64_t ldy, int64_t p0, int64_t p1) {
-    const int64_t kc = ps_gemm_kc(M, K);
-    const int64_t mr_max = M <= PS_GEMM_NEXT_ROWS ? PS_GEMM_MR : PS_GEMM_MR_BIG;
-    int64_t per_block = PS_GEMM_BLOCK_BYTES / (kc * PS_GEMM_NR * (int64_t)sizeof(float));
-    if (per_block < 1) per_block = 1;
-    float *buf = ps_gemm_scratch(per_block * K * PS_GEMM_NR);
-    if (!buf) return 0;
-    int64_t x_bytes = PS_GEMM_I8_X_BYTES ? PS_GEMM_I8_X_BYTES : ps_gemm_l2_bytes() / 2;
-    if (x_bytes < PS_GEMM_X_BYTES) x_bytes = PS_GEMM_X_BYTES;
-    int64_t chunk = x_bytes / (kc * (int64_t)sizeof(float)) / mr_max * mr_max;
-    if (chunk < mr_max) chunk = mr_max;
-    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
-        const int64_t mc = M - m0 < chunk ? M - m0 : chunk;
-        ps_gemm_block_rows_i8(x + m0 * ldx, mc, K, ldx, wp, N, bias, scale, y + m0 * ldy, ldy,
-                              p0, p1, kc, per_block, mr_max, buf);
-    }
-    return 1;
-}
-
 /* Rows in chunks whose k slice of x fits PS_GEMM_X_BYTES beside the weight block (a 2048-row
  * prefill's x is megabytes: re-read from L3 for every weight block it ran ~15% slower than
  * oneDNN); a call of up to PS_GEMM_ONE_PASS_ROWS rows whose x fits half the L2 goes in one
@@ -625,16 +579,23 @@ static void ps_gemm_panels(const float *x, int64_t M, int64_t K, int64_t ldx, co
                            int64_t N, const float *bias, const float *scale, float *y,
                            int64_t ldy, int64_t p0, int64_t p1, int bf16,
                            const ps_gemm_glu *glu) {
-    if (bf16 == PS_GEMM_I8 && M > PS_GEMM_I8_WIDEN_ROWS && ps_gemm_panels_i8(x, M, 4 * K, ldx,
-                                                                            wp, N, bias, scale,
-                                                                            y, ldy, p0, p1))
-        return;
+    float *wide = 0; /* int8 past PS_GEMM_I8_WIDEN_ROWS rows: float32 panels from here on */
+    int64_t x_bytes = PS_GEMM_X_BYTES;
+    if (bf16 == PS_GEMM_I8 && M > PS_GEMM_I8_WIDEN_ROWS) {
+        wide = ps_gemm_scratch(ps_gemm_per_block(ps_gemm_kc(M, 4 * K)) * 4 * K * PS_GEMM_NR);
+        if (wide) { /* else (no memory) the tiles widen */
+            K *= 4;
+            bf16 = 0;
+            x_bytes = PS_GEMM_I8_X_BYTES ? PS_GEMM_I8_X_BYTES : ps_gemm_l2_bytes() / 2;
+            if (x_bytes < PS_GEMM_X_BYTES) x_bytes = PS_GEMM_X_BYTES;
+        }
+    }
     const int64_t kc = ps_gemm_kc(M, K);
-    const int ahead = PS_GEMM_NEXT && M <= PS_GEMM_NEXT_ROWS;
+    const int ahead = PS_GEMM_NEXT && M <= PS_GEMM_NEXT_ROWS && !wide;
     const int64_t mr_max = M <= PS_GEMM_NEXT_ROWS ? PS_GEMM_MR : PS_GEMM_MR_BIG;
     /* bytes of x per element step: int8 panels step 4 float32 values of x at a time */
     const int64_t xstep = (int64_t)sizeof(float) * (bf16 == PS_GEMM_I8 ? 4 : 1);
-    int64_t chunk = PS_GEMM_X_BYTES / (kc * xstep) / mr_max * mr_max;
+    int64_t chunk = x_bytes / (kc * xstep) / mr_max * mr_max;
     if (chunk < mr_max) chunk = mr_max;
     if (M <= PS_GEMM_ONE_PASS_ROWS && M * kc * xstep <= ps_gemm_l2_bytes() / 2)
         chunk = M;
@@ -644,7 +605,8 @@ static void ps_gemm_panels(const float *x, int64_t M, int64_t K, int64_t ldx, co
                                   : (ps_gemm_glu){0, 0, 0};
         ps_gemm_block_rows(x + m0 * ldx, mc, K, ldx, wp, N, bias, scale,
                            y ? y + m0 * ldy : 0, ldy, p0, p1, kc,
-                           ahead ? (m0 + mc < M ? 2 : 1) : 0, bf16, glu ? &g : 0, mr_max);
+                           ahead ? (m0 + mc < M ? 2 : 1) : 0, bf16, glu ? &g : 0, mr_max,
+                           wide);
     }
 }
 
@@ -727,10 +689,11 @@ void ps_gemm_f32_glu(const float *x, int64_t M, int64_t K, int64_t ldx, const fl
  * bfloat16's). In calls of up to 32 rows each k step widens the panel's int8 row to float32
  * in registers (a sign extension, a convert and a multiply by the group's scale per vector,
  * beside the tile's multiply-adds); past that each block of panels is widened once into
- * float32 panels that all the tiles of a row chunk multiply (PS_GEMM_I8_WIDEN_ROWS). Why a scale per group of 32 and not per row: a row's few large weights
- * coarsen all of it (SmolLM2's projections: 0.89% relative RMS error with a scale per row,
- * 0.52% per group of 32; bfloat16 0.14%); a group's scale follows the weights' local range
- * (GGUF's Q8_0 blocks are 32 too).
+ * float32 panels that all the tiles of a row chunk multiply (PS_GEMM_I8_WIDEN_ROWS). Why a
+ * scale per group of 32 and not per row: a row's few large weights coarsen all of it
+ * (SmolLM2's projections: 0.89% relative RMS error with a scale per row, 0.52% per group of
+ * 32; bfloat16 0.14%); a group's scale follows the weights' local range (GGUF's Q8_0 blocks are
+ * 32 too).
  *
  * Layout: panels of NR columns (as float32's), wp[p][k][c] = Q[p * NR + c][k] as int8, K a
  * multiple of 4 (columns past N are zero): 4 k steps of a panel are NR 4-byte elements, so the
