@@ -3,20 +3,19 @@
  * cache's element type from ps_kv.h), included by paged_decode.c (one library, one loader).
  *
  * Why this exists: a prefill chunk used to join the decode kernel as one decode row per query
- * token, so every query token read its whole context alone (three query heads per key load at
- * GQA 3): 40-43 useful GFLOP/s for the bench model's and SmolLM2's prompts of 16-512 tokens in
- * the engine on a Zen 4 EPYC (2 threads), against ~190 for the projections around it. Here a
- * tile of up to PS_PF_MR query vectors ((token, head) pairs of one KV head) runs against
- * PS_WIDE_LANES keys at a time like a small GEMM: a task's keys are transposed once into
- * [D][lanes] tiles, so that a score tile is MR accumulators of one key vector each (a broadcast
- * query value times a row of keys, no horizontal sums), and each value row is loaded once for
- * PS_PF_NG query vectors. An online softmax per PS_PF_KB keys (running max and sum, the output
- * rescaled) keeps one pass over the keys. Measured against the decode-row path (same process,
- * 2 threads, Zen 4, bench/README.md): 1.4-1.8x for prompts of 128-768 tokens at 9/3, 8/4 and
- * 14/2 heads of 64; 0.8-1.5x at 32. On AVX2 (16 registers) a score pass takes two key tiles
- * and a value pass 3 query vectors x half a head of 64: against one tile and one vector (Zen 3,
- * 2 threads, outputs bit-identical) 1.25-1.32x at 8/4 heads of 64, 1.12-1.17x at 9/3 and 14/2,
- * 1.19-1.37x at 16/4 of 128.
+ * token, so every query token read its whole context alone (three query heads per key load at GQA
+ * 3): 40-43 useful GFLOP/s for the bench model's and SmolLM2's prompts of 16-512 tokens in the
+ * engine on a Zen 4 EPYC (2 threads), against ~190 for the projections around it. Here a tile of up
+ * to PS_PF_MR query vectors ((token, head) pairs of one KV head) runs against PS_WIDE_LANES keys at
+ * a time like a small GEMM: a task's keys are transposed once into [D][lanes] tiles, so that a
+ * score pass is MR accumulators for each of two key vectors (a broadcast query value times a row of
+ * keys, no horizontal sums), and each value row is loaded once for PS_PF_NG query vectors. An
+ * online softmax per PS_PF_KB keys (running max and sum, the output rescaled) keeps one pass over
+ * the keys. Measured against the decode-row path (same process, 2 threads, Zen 4, bench/README.md):
+ * 1.4-1.8x for prompts of 128-768 tokens at 9/3, 8/4 and 14/2 heads of 64; 0.8-1.5x at 32. On AVX2
+ * (16 registers) a score pass takes two key tiles and a value pass 3 query vectors x half a head of
+ * 64: against one tile and one vector (Zen 3, 2 threads, outputs bit-identical) 1.25-1.32x at 8/4
+ * heads of 64, 1.12-1.17x at 9/3 and 14/2, 1.19-1.37x at 16/4 of 128.
  *
  * Contract: every key of the chunk (positions seq_len - query_len .. seq_len - 1) is already
  * written to the cache; query token t of a chunk is at position seq_len - query_len + t and
@@ -80,7 +79,20 @@ typedef struct {
 #endif
 #define PS_PF_NG 6 /* at most this many query vectors per value pass */
 #define PS_PF_SPAN 64 /* query tokens per task (a task transposes its keys once) */
-#define PS_PF_KB 64   /* keys per online-softmax update */
+/* Keys per online-softmax update. Why 256 with 16-float vectors: each update costs a tile's
+ * vectors a row max, a scalar exp, two horizontal reductions and a rescale of the output sums,
+ * paid 4x less often than at 64 keys. Intel Xeon (AVX-512, 2 threads; bench.prefill_ab): with
+ * two key tiles per score pass (below) 1.06-1.12x at the bench's six cases (64 keys and one
+ * tile: base), 256 keys alone 0.98-1.05x; the 8-float build (-mno-avx512f) measured 0.97-1.03x
+ * at 256 and keeps 64. Not bit-identical to 64 (the running max steps differ): float32
+ * rounding only, the parity suites hold. */
+#ifndef PS_PF_KB
+#if PS_WIDE_LANES == 16
+#define PS_PF_KB 256
+#else
+#define PS_PF_KB 64
+#endif
+#endif
 #if PS_WIDE_LANES == 16 && defined(__AVX512F__)
 #include <immintrin.h>
 /* dst[d * 16 + l] = src[l][d] for d < 16: a 16 x 16 transpose in registers (four rounds of
@@ -316,10 +328,16 @@ static inline __attribute__((always_inline)) void ps_pf_tile_keys(
         const int64_t nkeys = k_hi - k0 < PS_PF_KB ? k_hi - k0 : PS_PF_KB;
         const int64_t ntiles = (nkeys + PS_KT - 1) / PS_KT;
         int64_t jt = 0;
-#if PS_WIDE_LANES == 8
-        /* two key tiles per pass on AVX2: 2 x nv score accumulators (12 of the 16 registers at
-         * nv 6), so that enough independent FMA chains cover the FMA's latency (one tile's 6
-         * chains could not), and each broadcast query value serves two key vectors */
+#ifndef PS_PF_TWO_TILES
+#define PS_PF_TWO_TILES 1
+#endif
+#if PS_PF_TWO_TILES
+        /* two key tiles per pass: 2 x nv score accumulators (AVX2: 12 of the 16 registers at
+         * nv 6, so that enough independent FMA chains cover the FMA's latency, which one
+         * tile's 6 chains could not; AVX-512: 24 of the 32 at nv 12, where one tile's pass
+         * loaded a query value per FMA), and each broadcast query value serves two key
+         * vectors. AVX-512 with 64 keys per update: 0.99-1.07x (controls 0.94-1.03), with 256
+         * (PS_PF_KB) the pair 1.06-1.12x. PS_PF_TWO_TILES=0: one tile a pass (A/B builds). */
         for (; jt + 1 < ntiles; jt += 2) {
             const int64_t kj0 = k0 + jt * PS_KT;
             vwsf s[PS_PF_MR], s2[PS_PF_MR];
