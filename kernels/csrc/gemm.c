@@ -479,15 +479,43 @@ static void ps_gemm_i8_widen(const float *wp, const float *scale, int64_t K4, in
     }
 }
 
-/* Panels per block: a k slice of kc elements of each fits PS_GEMM_BLOCK_BYTES (at least 1). */
-static inline int64_t ps_gemm_per_block(int64_t kc) {
-    const int64_t n = PS_GEMM_BLOCK_BYTES / (kc * PS_GEMM_NR * (int64_t)sizeof(float));
+/* Bytes of this core's L2 (0 where the C library cannot tell). */
+static int64_t ps_gemm_l2_bytes(void) {
+    static int64_t bytes = -1; /* every thread finds the same value: a benign race */
+    if (bytes < 0) {
+        const long s = sysconf(_SC_LEVEL2_CACHE_SIZE);
+        bytes = s > 0 ? s : 0;
+    }
+    return bytes;
+}
+
+/* Bytes of weight panels per block in calls of more than PS_GEMM_NEXT_ROWS rows (prefill
+ * chunks): PS_GEMM_BLOCK_BIG_BYTES, 0 for a quarter of the L2, at least PS_GEMM_BLOCK_BYTES.
+ * Why: at 192 KB a block held 2 panels of a K of 576 (SmolLM2), so each row tile of x went
+ * from L1 back to L2 after every 2 panels, and the x chunk was re-read from L2 for every 2;
+ * with 512 KB of a 2 MB L2 (beside the 192 KB x chunk) each tile stays for 6. Intel Xeon
+ * (2 MB L2, 2 threads; bench.gemm_ab, 15 rounds, bit-identical): 2048-row products
+ * 1.00-1.06x (gate/up 1.05-1.06x), 512 rows 1.01-1.03x; decode-sized calls keep 192 KB
+ * (with 512 KB their next-block requests ran 30 cold SmolLM2 layers at 16 / 48 rows 0.94 /
+ * 0.96x). A quarter, not a fixed size: on a 512 KB L2 (Zen 3) it is the 192 KB of before. */
+#ifndef PS_GEMM_BLOCK_BIG_BYTES
+#define PS_GEMM_BLOCK_BIG_BYTES 0
+#endif
+static inline int64_t ps_gemm_block_bytes(int64_t M) {
+    if (M <= PS_GEMM_NEXT_ROWS) return PS_GEMM_BLOCK_BYTES;
+    const int64_t b = PS_GEMM_BLOCK_BIG_BYTES ? PS_GEMM_BLOCK_BIG_BYTES : ps_gemm_l2_bytes() / 4;
+    return b > PS_GEMM_BLOCK_BYTES ? b : PS_GEMM_BLOCK_BYTES;
+}
+
+/* Panels per block: a k slice of kc elements of each fits ``bytes`` (at least 1). */
+static inline int64_t ps_gemm_per_block(int64_t kc, int64_t bytes) {
+    const int64_t n = bytes / (kc * PS_GEMM_NR * (int64_t)sizeof(float));
     return n < 1 ? 1 : n;
 }
 
-/* Rows [0, M) times panels [p0, p1) over k slices of kc: blocks of panels whose slice fits
- * PS_GEMM_BLOCK_BYTES, each read from memory once per slice and reused from L2 by every row
- * tile. The last panel of an N that is not a multiple of NR has no room for partial sums in
+/* Rows [0, M) times panels [p0, p1) over k slices of kc: blocks of per_block panels (their
+ * slice fits ps_gemm_block_bytes), each read from memory once per slice and reused from L2 by
+ * every row tile. The last panel of an N that is not a multiple of NR has no room for partial sums in
  * y: it runs the whole K in the first slice. ``next``: 0 no requests ahead, 1 the next
  * block, 2 also the first block after the last. ``glu`` (NULL: none): a GLU call's outputs
  * (ps_gemm_f32_glu; N is then its outputs, y its partial sums, whole panels wide). ``wide``
@@ -497,10 +525,9 @@ static inline int64_t ps_gemm_per_block(int64_t kc) {
 static void ps_gemm_block_rows(const float *x, int64_t M, int64_t K, int64_t ldx,
                                const float *wp, int64_t N, const float *bias,
                                const float *scale, float *y, int64_t ldy, int64_t p0, int64_t p1,
-                               int64_t kc, int next, int bf16, const ps_gemm_glu *glu,
-                               int64_t mr_max, float *wide) {
+                               int64_t kc, int64_t per_block, int next, int bf16,
+                               const ps_gemm_glu *glu, int64_t mr_max, float *wide) {
     const int64_t panel_floats = K * PS_GEMM_NR;
-    const int64_t per_block = ps_gemm_per_block(kc);
     /* row tiles of near-equal height (20 rows: 5 + 5 + 5 + 5, not 6 + 6 + 6 + 2): a tile of
      * 1-2 rows has too few independent sums to hide the multiply-add's latency */
     const int64_t tiles = (M + mr_max - 1) / mr_max;
@@ -556,16 +583,6 @@ static void ps_gemm_block_rows(const float *x, int64_t M, int64_t K, int64_t ldx
     }
 }
 
-/* Bytes of this core's L2 (0 where the C library cannot tell). */
-static int64_t ps_gemm_l2_bytes(void) {
-    static int64_t bytes = -1; /* every thread finds the same value: a benign race */
-    if (bytes < 0) {
-        const long s = sysconf(_SC_LEVEL2_CACHE_SIZE);
-        bytes = s > 0 ? s : 0;
-    }
-    return bytes;
-}
-
 /* Rows in chunks whose k slice of x fits PS_GEMM_X_BYTES beside the weight block (a 2048-row
  * prefill's x is megabytes: re-read from L3 for every weight block it ran ~15% slower than
  * oneDNN); a call of up to PS_GEMM_ONE_PASS_ROWS rows whose x fits half the L2 goes in one
@@ -582,7 +599,8 @@ static void ps_gemm_panels(const float *x, int64_t M, int64_t K, int64_t ldx, co
     float *wide = 0; /* int8 past PS_GEMM_I8_WIDEN_ROWS rows: float32 panels from here on */
     int64_t x_bytes = PS_GEMM_X_BYTES;
     if (bf16 == PS_GEMM_I8 && M > PS_GEMM_I8_WIDEN_ROWS) {
-        wide = ps_gemm_scratch(ps_gemm_per_block(ps_gemm_kc(M, 4 * K)) * 4 * K * PS_GEMM_NR);
+        const int64_t n = ps_gemm_per_block(ps_gemm_kc(M, 4 * K), PS_GEMM_BLOCK_BYTES);
+        wide = ps_gemm_scratch(n * 4 * K * PS_GEMM_NR);
         if (wide) { /* else (no memory) the tiles widen */
             K *= 4;
             bf16 = 0;
@@ -591,6 +609,9 @@ static void ps_gemm_panels(const float *x, int64_t M, int64_t K, int64_t ldx, co
         }
     }
     const int64_t kc = ps_gemm_kc(M, K);
+    /* widened int8 blocks keep the small size (their scratch, beside x chunks of half the L2) */
+    const int64_t per_block =
+        ps_gemm_per_block(kc, wide ? PS_GEMM_BLOCK_BYTES : ps_gemm_block_bytes(M));
     const int ahead = PS_GEMM_NEXT && M <= PS_GEMM_NEXT_ROWS && !wide;
     const int64_t mr_max = M <= PS_GEMM_NEXT_ROWS ? PS_GEMM_MR : PS_GEMM_MR_BIG;
     /* bytes of x per element step: int8 panels step 4 float32 values of x at a time */
@@ -604,7 +625,7 @@ static void ps_gemm_panels(const float *x, int64_t M, int64_t K, int64_t ldx, co
         const ps_gemm_glu g = glu ? (ps_gemm_glu){glu->out + m0 * glu->ldo, glu->ldo, glu->up}
                                   : (ps_gemm_glu){0, 0, 0};
         ps_gemm_block_rows(x + m0 * ldx, mc, K, ldx, wp, N, bias, scale,
-                           y ? y + m0 * ldy : 0, ldy, p0, p1, kc,
+                           y ? y + m0 * ldy : 0, ldy, p0, p1, kc, per_block,
                            ahead ? (m0 + mc < M ? 2 : 1) : 0, bf16, glu ? &g : 0, mr_max,
                            wide);
     }
