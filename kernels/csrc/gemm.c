@@ -489,8 +489,10 @@ static int64_t ps_gemm_l2_bytes(void) {
     return bytes;
 }
 
-/* Bytes of weight panels per block in calls of more than PS_GEMM_NEXT_ROWS rows (prefill
- * chunks): PS_GEMM_BLOCK_BIG_BYTES, 0 for a quarter of the L2, at least PS_GEMM_BLOCK_BYTES.
+/* Bytes of weight panels per block: PS_GEMM_BLOCK_BYTES, or in calls of more than
+ * PS_GEMM_NEXT_ROWS rows (prefill chunks) PS_GEMM_BLOCK_BIG_BYTES (0: a quarter of the L2, at
+ * least PS_GEMM_BLOCK_BYTES). ``widened``: an int8 call's float32 blocks (ps_gemm_i8_widen)
+ * keep the small size: their scratch lies in L2 beside x chunks of half of it.
  * Why: at 192 KB a block held 2 panels of a K of 576 (SmolLM2), so each row tile of x went
  * from L1 back to L2 after every 2 panels, and the x chunk was re-read from L2 for every 2;
  * with 512 KB of a 2 MB L2 (beside the 192 KB x chunk) each tile stays for 6. Intel Xeon
@@ -501,8 +503,8 @@ static int64_t ps_gemm_l2_bytes(void) {
 #ifndef PS_GEMM_BLOCK_BIG_BYTES
 #define PS_GEMM_BLOCK_BIG_BYTES 0
 #endif
-static inline int64_t ps_gemm_block_bytes(int64_t M) {
-    if (M <= PS_GEMM_NEXT_ROWS) return PS_GEMM_BLOCK_BYTES;
+static inline int64_t ps_gemm_block_bytes(int64_t M, int widened) {
+    if (M <= PS_GEMM_NEXT_ROWS || widened) return PS_GEMM_BLOCK_BYTES;
     const int64_t b = PS_GEMM_BLOCK_BIG_BYTES ? PS_GEMM_BLOCK_BIG_BYTES : ps_gemm_l2_bytes() / 4;
     return b > PS_GEMM_BLOCK_BYTES ? b : PS_GEMM_BLOCK_BYTES;
 }
@@ -515,8 +517,8 @@ static inline int64_t ps_gemm_per_block(int64_t kc, int64_t bytes) {
 
 /* Rows [0, M) times panels [p0, p1) over k slices of kc: blocks of per_block panels (their
  * slice fits ps_gemm_block_bytes), each read from memory once per slice and reused from L2 by
- * every row tile. The last panel of an N that is not a multiple of NR has no room for partial sums in
- * y: it runs the whole K in the first slice. ``next``: 0 no requests ahead, 1 the next
+ * every row tile. The last panel of an N that is not a multiple of NR has no room for partial
+ * sums in y: it runs the whole K in the first slice. ``next``: 0 no requests ahead, 1 the next
  * block, 2 also the first block after the last. ``glu`` (NULL: none): a GLU call's outputs
  * (ps_gemm_f32_glu; N is then its outputs, y its partial sums, whole panels wide). ``wide``
  * (NULL: none): wp holds int8 panels (with ``scale``) and K, kc count floats; each block's
@@ -599,7 +601,7 @@ static void ps_gemm_panels(const float *x, int64_t M, int64_t K, int64_t ldx, co
     float *wide = 0; /* int8 past PS_GEMM_I8_WIDEN_ROWS rows: float32 panels from here on */
     int64_t x_bytes = PS_GEMM_X_BYTES;
     if (bf16 == PS_GEMM_I8 && M > PS_GEMM_I8_WIDEN_ROWS) {
-        const int64_t n = ps_gemm_per_block(ps_gemm_kc(M, 4 * K), PS_GEMM_BLOCK_BYTES);
+        const int64_t n = ps_gemm_per_block(ps_gemm_kc(M, 4 * K), ps_gemm_block_bytes(M, 1));
         wide = ps_gemm_scratch(n * 4 * K * PS_GEMM_NR);
         if (wide) { /* else (no memory) the tiles widen */
             K *= 4;
@@ -609,9 +611,7 @@ static void ps_gemm_panels(const float *x, int64_t M, int64_t K, int64_t ldx, co
         }
     }
     const int64_t kc = ps_gemm_kc(M, K);
-    /* widened int8 blocks keep the small size (their scratch, beside x chunks of half the L2) */
-    const int64_t per_block =
-        ps_gemm_per_block(kc, wide ? PS_GEMM_BLOCK_BYTES : ps_gemm_block_bytes(M));
+    const int64_t per_block = ps_gemm_per_block(kc, ps_gemm_block_bytes(M, wide != 0));
     const int ahead = PS_GEMM_NEXT && M <= PS_GEMM_NEXT_ROWS && !wide;
     const int64_t mr_max = M <= PS_GEMM_NEXT_ROWS ? PS_GEMM_MR : PS_GEMM_MR_BIG;
     /* bytes of x per element step: int8 panels step 4 float32 values of x at a time */
