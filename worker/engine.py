@@ -266,7 +266,9 @@ class Engine:
     # --------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
-        logits = self.runner.execute(out)
+        by_seq = self._by_seq
+        greedy = all(by_seq[s.seq_id][0].greedy for s in out.scheduled if s.sample)
+        logits = self.runner.execute(out, greedy)
         changed: dict[str, RequestState] = {}
         if logits is not None:
             pairs = self._sample(out, logits, changed)
@@ -288,15 +290,20 @@ class Engine:
         return req.output() if req is not None else None
 
     def _sample(
-        self, out: SchedulerOutput, logits: torch.Tensor, changed: dict[str, RequestState]
+        self,
+        out: SchedulerOutput,
+        logits: torch.Tensor | list[int],
+        changed: dict[str, RequestState],
     ) -> list[tuple[int, int]]:
         by_seq = self._by_seq
         sampled = [s for s in out.scheduled if s.sample]
         owners = [by_seq[s.seq_id] for s in sampled]
-        if all(req.greedy for req, _ in owners):
-            # Most batches: every row's token is its argmax; no per-row sampling state.
+        if isinstance(logits, list) or all(req.greedy for req, _ in owners):
+            # Most batches: every row's token is its argmax; no per-row sampling state (a list:
+            # the runner's screened head gave the tokens themselves).
+            tokens = logits if isinstance(logits, list) else greedy_tokens(logits)
             pairs: list[tuple[int, int]] = []
-            for (req, comp), tok in zip(owners, greedy_tokens(logits), strict=True):
+            for (req, comp), tok in zip(owners, tokens, strict=True):
                 pairs.append((comp.seq_id, tok))  # type: ignore[arg-type]
                 if req.first_token_at is None:
                     self._first_token(req, comp)

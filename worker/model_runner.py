@@ -139,6 +139,8 @@ class ModelRunner:
             log.info("packed %d projection weights in %s", n, weight_fmt)
         elif self.device.type == "cpu" and prepack_enabled():
             log.info("packed %d projection weights (C GEMM or oneDNN)", self.model.pack_weights())
+            if config.greedy_screen and self.model.enable_greedy_screen():
+                log.info("greedy rows: the output head screened in bfloat16 (exact tokens)")
         mc = self.model.config
         self.max_model_len = min(
             max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
@@ -263,8 +265,12 @@ class ModelRunner:
         self._cache.index_copy_(2, dst, self._cache.index_select(2, src))
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> torch.Tensor | None:
-        """Run the step; float32 logits ``[sampling sequences, vocab]``, or None if none samples."""
+    def execute(
+        self, out: SchedulerOutput, greedy: bool = False
+    ) -> torch.Tensor | list[int] | None:
+        """Run the step; float32 logits ``[sampling sequences, vocab]``, or None if none samples.
+        ``greedy``: every sampling row takes its argmax alone; then, where the model screens its
+        head (:meth:`CausalLM.greedy_tokens`), the tokens themselves."""
         self.release(out.released_seq_ids)
         self.release(out.preempted_seq_ids)
         if out.block_copies:
@@ -322,4 +328,6 @@ class ModelRunner:
             picked = hidden
         else:
             picked = hidden.index_select(0, torch.tensor(sample_idx, dtype=torch.long, device=dev))
+        if greedy and (tokens := self.model.greedy_tokens(picked)) is not None:
+            return tokens
         return self.model.compute_logits(picked)

@@ -56,6 +56,15 @@ class EngineConfig:
             "bfloat16: twice the tokens per byte; not token-for-token float32's outputs)"
         ),
     )
+    #: kernels.greedy_head: exact (the float32 head's tokens), so on by default where it applies.
+    greedy_screen: bool = field(
+        default=True,
+        metadata=opt(
+            "turn off the bfloat16 screen of greedy rows' output head (CPU, float32; its tokens "
+            "are the float32 head's either way)",
+            flag="--no-greedy-screen",
+        ),
+    )
     enable_prefix_caching: bool = field(
         default=True, metadata=opt("turn off prefix caching", flag="--no-prefix-caching")
     )

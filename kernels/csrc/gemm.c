@@ -24,6 +24,7 @@
  *
  * Built at first use by kernels/gemm.py with the machine's C compiler; called through ctypes.
  */
+#include <math.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -974,3 +975,126 @@ void ps_gemm_bf16_amx(const float *x, int64_t M, int64_t K, int64_t ldx, const u
         (void)xp, (void)threads;
 }
 #endif
+
+/*
+ * Exact greedy tokens of a float32 head from a bfloat16 screen (kernels/greedy_head.py).
+ *
+ * Why: in a decode step of a small model the output head is one of the largest products
+ * (SmolLM2-135M: 49152 x 576, a fifth of a token's weights), and a greedy row needs only
+ * the position of its largest logit. approx [M, N] (rows lda apart) holds the same products
+ * with x and W rounded to bfloat16 (ps_gemm_bf16 or the AMX path: half the bytes, twice the
+ * rate). With |approx[r][j] - f[r][j]| <= slack[r] * norms[j] for the float32 products f
+ * (the caller's bound: a rounding term times |x_r| |W_j|), the float32 maximum lies among the
+ * columns j with approx[j] + slack * norms[j] >= approx[m] - slack * norms[m] (m: a largest
+ * approx); only those are computed in float32, each exactly as ps_gemm_f32 computes it (one
+ * fused multiply-add chain over k from 0 in k order, from the packed panels wp, no bias), and
+ * tokens[r] is the first of their largest: the token ps_argmax_f32 takes from the float32
+ * head's logits, bit for bit. A row with more than cap candidates, or a NaN / infinity read,
+ * gets -1: the caller runs the float32 head for it.
+ *
+ * nmax: the largest of norms (the first listing uses it for every m; the list is then cut
+ * to m's own bound). cand: PS_HEAD_LIST int64 per thread (scratch from the caller).
+ */
+#define PS_HEAD_LIST 256 /* columns listed per row before the final bound (the scratch's) */
+#define PS_HEAD_WAYS 8
+static int64_t ps_head_row(const float *x, int64_t K, const float *wp, const float *a,
+                           int64_t N, const float *norms, float s, float nmax, int64_t cap,
+                           int64_t *cand) {
+    /* 1: the largest approximate logit (and whether any is NaN or infinite) */
+    float best = -INFINITY;
+    int bad = 0;
+    int64_t j = 0;
+    if (N >= PS_WIDE_LANES) {
+        vwsf vmax = ps_wload(a);
+        vwsi vbad = (vwsi)(vmax - vmax) != 0;
+        for (j = PS_WIDE_LANES; j + PS_WIDE_LANES <= N; j += PS_WIDE_LANES) {
+            const vwsf v = ps_wload(a + j);
+            vmax = ps_wvmax(v, vmax);
+            vbad |= (vwsi)(v - v) != 0;
+        }
+        best = ps_wmax(vmax);
+        for (int l = 0; l < PS_WIDE_LANES; ++l) bad |= vbad[l] != 0;
+    }
+    for (; j < N; ++j) {
+        best = a[j] > best ? a[j] : best;
+        bad |= !(a[j] - a[j] == 0.0f);
+    }
+    if (bad) return -1;
+    /* 2: every column that could reach it under the widest bound (the largest norm), in
+     * runs of 4 vectors: one horizontal test per run, the rare hits listed one by one */
+    const float loose = best - s * nmax;
+    const vwsf vs = ps_wsplat(s);
+    int64_t n = 0;
+    for (j = 0; j + 4 * PS_WIDE_LANES <= N; j += 4 * PS_WIDE_LANES) {
+        vwsf t = ps_wload(a + j) + vs * ps_wload(norms + j);
+        for (int u = 1; u < 4; ++u) {
+            const int64_t o = j + u * PS_WIDE_LANES;
+            t = ps_wvmax(t, ps_wload(a + o) + vs * ps_wload(norms + o));
+        }
+        if (ps_wmax(t) < loose) continue;
+        for (int64_t i = j; i < j + 4 * PS_WIDE_LANES; ++i) {
+            if (a[i] + s * norms[i] < loose) continue;
+            if (n == PS_HEAD_LIST) return -1;
+            cand[n++] = i;
+        }
+    }
+    for (; j < N; ++j) {
+        if (a[j] + s * norms[j] < loose) continue;
+        if (n == PS_HEAD_LIST) return -1;
+        cand[n++] = j;
+    }
+    /* 3: the bound of a largest column m itself (it is listed: a[m] = best >= loose) */
+    float floor = loose;
+    for (int64_t i = 0; i < n; ++i)
+        if (a[cand[i]] == best) {
+            floor = best - s * norms[cand[i]];
+            break;
+        }
+    int64_t w = 0;
+    for (int64_t i = 0; i < n; ++i)
+        if (a[cand[i]] + s * norms[cand[i]] >= floor) cand[w++] = cand[i];
+    if (w > cap) return -1;
+    /* 4: the candidates in float32, as ps_gemm_f32 sums them (one fused multiply-add chain
+     * each, PS_HEAD_WAYS chains side by side); ascending columns, so the first of equal
+     * maxima wins (as in ps_argmax_f32) */
+    int64_t tok = -1;
+    float top = -INFINITY;
+    for (int64_t i0 = 0; i0 < w; i0 += PS_HEAD_WAYS) {
+        const int nw = w - i0 < PS_HEAD_WAYS ? (int)(w - i0) : PS_HEAD_WAYS;
+        const float *col[PS_HEAD_WAYS];
+        float acc[PS_HEAD_WAYS];
+        for (int u = 0; u < PS_HEAD_WAYS; ++u) {
+            const int64_t c = cand[i0 + (u < nw ? u : 0)];
+            col[u] = wp + (c / PS_GEMM_NR) * K * PS_GEMM_NR + c % PS_GEMM_NR;
+            acc[u] = 0.0f;
+        }
+        for (int64_t k = 0; k < K; ++k)
+            for (int u = 0; u < PS_HEAD_WAYS; ++u)
+                acc[u] = __builtin_fmaf(x[k], col[u][k * PS_GEMM_NR], acc[u]);
+        for (int u = 0; u < nw; ++u) {
+            if (!(acc[u] - acc[u] == 0.0f)) return -1;
+            if (acc[u] > top) {
+                top = acc[u];
+                tok = cand[i0 + u];
+            }
+        }
+    }
+    return tok;
+}
+
+int64_t ps_gemm_head_list(void) { return PS_HEAD_LIST; }
+
+void ps_gemm_head_greedy(const float *x, int64_t M, int64_t K, int64_t ldx, const float *wp,
+                         int64_t N, const float *approx, int64_t lda, const float *norms,
+                         float nmax, const float *slack, int64_t cap, int64_t *cand,
+                         int64_t *tokens, int32_t threads) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (M > 1)
+    for (int64_t r = 0; r < M; ++r) {
+        int t = 0;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+#endif
+        tokens[r] = ps_head_row(x + r * ldx, K, wp, approx + r * lda, N, norms, slack[r], nmax,
+                                cap, cand + t * PS_HEAD_LIST);
+    }
+}

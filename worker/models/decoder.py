@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import AttentionMetadata, fused, get_backend
+from kernels.gemm import PanelWeight
+from kernels.greedy_head import GreedyHead
 from worker.models.config import ModelConfig
 from worker.models.layers import (
     DecoderLayer,
@@ -57,6 +59,8 @@ class CausalLM(nn.Module):
         self.register_buffer("rope_table", rope_table.to(device).contiguous(), persistent=False)
         #: Whether float32 CPU passes may use the fused C layer ops (kernels/fused.py).
         self.use_fused = True
+        #: The packed float32 head's bfloat16 screen for greedy rows (:meth:`enable_greedy_screen`).
+        self.greedy_head: GreedyHead | None = None
 
     @property
     def device(self) -> torch.device:
@@ -95,6 +99,32 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[N, vocab]`` of the given hidden rows."""
         return linear(hidden, self.lm_head_weight).float()
+
+    def enable_greedy_screen(self) -> bool:
+        """Give greedy rows their tokens through a bfloat16 screen of the head
+        (:mod:`kernels.greedy_head`: the float32 head's tokens, bit for bit), where the head is
+        packed for the C GEMM in float32 and the CPU multiplies bfloat16; whether it is on."""
+        head = self.lm_head_weight
+        if isinstance(head, PanelWeight):
+            self.greedy_head = GreedyHead.build(head)
+        return self.greedy_head is not None
+
+    @torch.inference_mode()
+    def greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:
+        """Each row's argmax of :meth:`compute_logits` without computing them all, or None where
+        the screen is off (the caller then takes the logits)."""
+        if self.greedy_head is None or hidden.dtype != torch.float32:
+            return None
+        tokens = self.greedy_head.tokens(hidden)
+        rest = [i for i, t in enumerate(tokens) if t < 0]
+        if rest:  # rows the screen left open: the float32 head (per row the same logits)
+            from worker.sampler import greedy_tokens
+
+            idx = torch.tensor(rest, dtype=torch.long)
+            picked = self.compute_logits(hidden.index_select(0, idx))
+            for i, t in zip(rest, greedy_tokens(picked), strict=True):
+                tokens[i] = t
+        return tokens
 
     # ------------------------------------------------------------------ weights
     def pack_weights(self, fmt: str | None = None) -> int:
