@@ -22,10 +22,13 @@ The bound, per row x and column W_j, with t_j the exact sum of x_i W_ji, S_j the
 * S_j <= |x|_2 |W_j|_2 (Cauchy-Schwarz).
 
 So |a_j - f_j| <= c |x|_2 |W_j|_2 with c = 2^-7 + 2^-16 + 3.1 K u (gamma(n) ~ n u), taken
-with a 1% margin for the rounding of the norms themselves, plus an absolute K * 2^-100 for
-hardware that flushes subnormal inputs and sums to zero (each such term is below 2^-126
-|W_ji|). Rows whose |x| is not finite or beyond 1e30 (where bfloat16 rounding could overflow),
-and rows with more than ``cap`` candidates, take the float32 head.
+with a 1% margin for the rounding of the norms themselves. The bfloat16 instructions read
+subnormal inputs as zero and flush subnormal sums: a term with a subnormal x_i or W_ji is off
+by at most 2^-126 times the other factor (in all at most sqrt(K) 2^-126 (|x|_2 + max |W_j|_2)),
+and each of the 2K sums by at most 2^-126; that absolute term t (with 8 u |x|_2 max |W_j|_2
+for the rounding of the comparisons themselves, the logits being at most |x|_2 max |W_j|_2)
+is added to every column's bound. Rows whose |x| is not finite or beyond 1e30 (where bfloat16
+rounding could overflow), and rows with more than ``cap`` candidates, take the float32 head.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from kernels.gemm import NativeGemm, PanelWeight
 #: Most columns computed in float32 per row before the row takes the whole float32 head.
 CAP = 64
 _U = 2.0**-24
-_ABS = 2.0**-100
+_TINY = 2.0**-126
 _X_LIMIT = 1e30
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -98,7 +101,10 @@ class GreedyHead:
         rows, k = x.shape
         xnorm = torch.linalg.vector_norm(x.double(), dim=1)
         ok = torch.isfinite(xnorm) & (xnorm <= _X_LIMIT)
-        slack = (xnorm * (rounding_factor(k) * (1 + 1e-6)) + _ABS * k).float()
+        flushed = (k**0.5 * (xnorm + self.nmax) + 2 * k) * _TINY
+        compares = 8 * _U * xnorm * self.nmax  # the float32 tests of the bound in C
+        rounding = xnorm * (rounding_factor(k) * (1 + 1e-6))
+        slack = torch.stack([rounding, (flushed + compares) * 1.01], dim=1).float()  # [rows, 2]
         slack = torch.nextafter(slack, torch.full_like(slack, float("inf")))
         tokens = torch.full((rows,), -1, dtype=torch.int64)
         if bool(ok.all()):

@@ -150,3 +150,19 @@ def test_engine_generates_the_same_tokens_with_and_without_the_screen(
         got[screen_on] = [o.outputs[0].token_ids for o in outs]
     assert calls and sum(calls) >= 24 * len(prompts)  # the screen gave the tokens when on
     assert got[True] == got[False]
+
+
+def test_subnormal_weights_the_bfloat16_products_flush_stay_candidates(
+    gemm: native_gemm.NativeGemm,
+) -> None:
+    """Column 1's weights are subnormal: the bfloat16 instructions read them as zero, so its
+    screened logit is 0 while its float32 one is 64 * 1e28 * 1e-39 = 6.4e-10, the largest;
+    column 0's (2e-10) screens above it. Only the bound's absolute term keeps column 1."""
+    w = torch.full((8, 64), -1e-30)
+    w[0] = 0.0
+    w[0, 3] = 2e-38
+    w[1] = 1e-39
+    gh = screen_of(gemm, w)
+    x = torch.full((1, 64), 1e28)
+    assert float32_tokens(gh.head, x) == [1]
+    assert gh.tokens(x) == [1]

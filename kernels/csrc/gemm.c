@@ -983,9 +983,10 @@ void ps_gemm_bf16_amx(const float *x, int64_t M, int64_t K, int64_t ldx, const u
  * (SmolLM2-135M: 49152 x 576, a fifth of a token's weights), and a greedy row needs only
  * the position of its largest logit. approx [M, N] (rows lda apart) holds the same products
  * with x and W rounded to bfloat16 (ps_gemm_bf16 or the AMX path: half the bytes, twice the
- * rate). With |approx[r][j] - f[r][j]| <= slack[r] * norms[j] for the float32 products f
- * (the caller's bound: a rounding term times |x_r| |W_j|), the float32 maximum lies among the
- * columns j with approx[j] + slack * norms[j] >= approx[m] - slack * norms[m] (m: a largest
+ * rate). With |approx[r][j] - f[r][j]| <= s * norms[j] + t for the float32 products f
+ * (the caller's bound, slack[r] = (s, t): a rounding term times |x_r| |W_j|, and an absolute
+ * one for subnormals the bfloat16 products flush to zero), the float32 maximum lies among the
+ * columns j with approx[j] + s * norms[j] + t >= approx[m] - s * norms[m] - t (m: a largest
  * approx); only those are computed in float32, each exactly as ps_gemm_f32 computes it (one
  * fused multiply-add chain over k from 0 in k order, from the packed panels wp, no bias), and
  * tokens[r] is the first of their largest: the token ps_argmax_f32 takes from the float32
@@ -998,8 +999,8 @@ void ps_gemm_bf16_amx(const float *x, int64_t M, int64_t K, int64_t ldx, const u
 #define PS_HEAD_LIST 256 /* columns listed per row before the final bound (the scratch's) */
 #define PS_HEAD_WAYS 8
 static int64_t ps_head_row(const float *x, int64_t K, const float *wp, const float *a,
-                           int64_t N, const float *norms, float s, float nmax, int64_t cap,
-                           int64_t *cand) {
+                           int64_t N, const float *norms, float s, float t, float nmax,
+                           int64_t cap, int64_t *cand) {
     /* 1: the largest approximate logit (and whether any is NaN or infinite) */
     float best = -INFINITY;
     int bad = 0;
@@ -1022,7 +1023,7 @@ static int64_t ps_head_row(const float *x, int64_t K, const float *wp, const flo
     if (bad) return -1;
     /* 2: every column that could reach it under the widest bound (the largest norm), in
      * runs of 4 vectors: one horizontal test per run, the rare hits listed one by one */
-    const float loose = best - s * nmax;
+    const float loose = best - s * nmax - 2 * t;
     const vwsf vs = ps_wsplat(s);
     int64_t n = 0;
     for (j = 0; j + 4 * PS_WIDE_LANES <= N; j += 4 * PS_WIDE_LANES) {
@@ -1047,7 +1048,7 @@ static int64_t ps_head_row(const float *x, int64_t K, const float *wp, const flo
     float floor = loose;
     for (int64_t i = 0; i < n; ++i)
         if (a[cand[i]] == best) {
-            floor = best - s * norms[cand[i]];
+            floor = best - s * norms[cand[i]] - 2 * t;
             break;
         }
     int64_t w = 0;
@@ -1094,7 +1095,7 @@ void ps_gemm_head_greedy(const float *x, int64_t M, int64_t K, int64_t ldx, cons
 #ifdef _OPENMP
         t = omp_get_thread_num();
 #endif
-        tokens[r] = ps_head_row(x + r * ldx, K, wp, approx + r * lda, N, norms, slack[r], nmax,
-                                cap, cand + t * PS_HEAD_LIST);
+        tokens[r] = ps_head_row(x + r * ldx, K, wp, approx + r * lda, N, norms, slack[2 * r],
+                                slack[2 * r + 1], nmax, cap, cand + t * PS_HEAD_LIST);
     }
 }
