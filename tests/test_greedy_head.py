@@ -34,25 +34,33 @@ def float32_tokens(head: native_gemm.PanelWeight, x: torch.Tensor) -> list[int]:
     return greedy_tokens(head.matmul(x))
 
 
-def screen_of(gemm: native_gemm.NativeGemm, w: torch.Tensor) -> GreedyHead:
-    got = GreedyHead.build(gemm.pack(w))
+def screen_of(gemm: native_gemm.NativeGemm, w: torch.Tensor, rows: bool = False) -> GreedyHead:
+    """The screen of ``w`` packed; ``rows``: recomputed columns read from ``w`` itself (a tied
+    embedding's rows) instead of the panels."""
+    got = GreedyHead.build(gemm.pack(w), w if rows else None)
     assert got is not None
     return got
 
 
+@pytest.mark.parametrize("from_rows", [False, True])
 @pytest.mark.parametrize("rows", [1, 7, 48, 100])
 @pytest.mark.parametrize("k", [64, 576, 2048])
-def test_tokens_are_the_float32_heads(gemm: native_gemm.NativeGemm, rows: int, k: int) -> None:
+def test_tokens_are_the_float32_heads(
+    gemm: native_gemm.NativeGemm, rows: int, k: int, from_rows: bool
+) -> None:
     g = torch.Generator().manual_seed(rows * 7919 + k)
     w = torch.randn(1000, k, generator=g) * 0.05  # 1000: not a multiple of a panel
-    gh = screen_of(gemm, w)
+    gh = screen_of(gemm, w, from_rows)
     x = torch.randn(rows, k, generator=g) * 3
     got = gh.tokens(x)
     assert got == float32_tokens(gh.head, x)
     assert sum(t < 0 for t in got) <= rows // 10  # nearly every row settled by the screen
 
 
-def test_near_ties_follow_the_float32_sums_rounding(gemm: native_gemm.NativeGemm) -> None:
+@pytest.mark.parametrize("from_rows", [False, True])
+def test_near_ties_follow_the_float32_sums_rounding(
+    gemm: native_gemm.NativeGemm, from_rows: bool
+) -> None:
     """Columns a and b hold the same numbers in reverse order: their exact products with a row
     of ones are equal, their float32 sums (k in order) differ by rounding in most trials. The
     screen keeps both and recomputes them; its choice must be the float32 head's."""
@@ -63,7 +71,7 @@ def test_near_ties_follow_the_float32_sums_rounding(gemm: native_gemm.NativeGemm
         top = torch.randn(k, generator=g) + 0.5
         a, b = 5 + seed % 40, 50 - seed % 7
         w[a], w[b] = top, top.flip(0)
-        gh = screen_of(gemm, w)
+        gh = screen_of(gemm, w, from_rows)
         x = torch.ones(2, k)
         x[1] *= 1.75
         ref = gh.head.matmul(x)
@@ -98,6 +106,8 @@ def test_rows_the_screen_cannot_settle_are_left_to_the_float32_head(
 
 def test_no_screen_without_a_plain_float32_head(gemm: native_gemm.NativeGemm) -> None:
     w = torch.randn(64, 32)
+    with pytest.raises(ValueError, match="rows must be"):
+        GreedyHead.build(gemm.pack(w), w + 1)  # rows that are not the head's
     assert GreedyHead.build(gemm.pack_bf16(w)) is None
     assert GreedyHead.build(gemm.pack_int8(w)) is None
     narrow = native_gemm.load(flags=[*native.FLAGS, "-DPS_WIDE_LANES=8"])
@@ -119,6 +129,8 @@ def test_real_heads_tokens_match_on_its_hidden_states(
     llm = LLM(real_model, max_model_len=256, kv_cache_memory=32 << 20)
     model = llm.engine.runner.model
     assert model.greedy_head is not None
+    rows = model.greedy_head.rows  # SmolLM2 ties its head: candidates read from the embedding
+    assert rows is not None and rows.data_ptr() == model.embed_weight.data_ptr()
     g = torch.Generator().manual_seed(11)
     emb = model.embed_weight.detach()
     rows = emb[torch.randint(0, emb.shape[0], (64,), generator=g)]

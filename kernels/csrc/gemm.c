@@ -988,7 +988,8 @@ void ps_gemm_bf16_amx(const float *x, int64_t M, int64_t K, int64_t ldx, const u
  * one for subnormals the bfloat16 products flush to zero), the float32 maximum lies among the
  * columns j with approx[j] + s * norms[j] + t >= approx[m] - s * norms[m] - t (m: a largest
  * approx); only those are computed in float32, each exactly as ps_gemm_f32 computes it (one
- * fused multiply-add chain over k from 0 in k order, from the packed panels wp, no bias), and
+ * fused multiply-add chain over k from 0 in k order, no bias; the values from wrows, W's rows
+ * ldw floats apart, where the caller has them, else from the packed panels wp), and
  * tokens[r] is the first of their largest: the token ps_argmax_f32 takes from the float32
  * head's logits, bit for bit. A row with more than cap candidates, or a NaN / infinity read,
  * gets -1: the caller runs the float32 head for it.
@@ -998,7 +999,8 @@ void ps_gemm_bf16_amx(const float *x, int64_t M, int64_t K, int64_t ldx, const u
  */
 #define PS_HEAD_LIST 256 /* columns listed per row before the final bound (the scratch's) */
 #define PS_HEAD_WAYS 8
-static int64_t ps_head_row(const float *x, int64_t K, const float *wp, const float *a,
+static int64_t ps_head_row(const float *x, int64_t K, const float *wp, const float *wrows,
+                           int64_t ldw, const float *a,
                            int64_t N, const float *norms, float s, float t, float nmax,
                            int64_t cap, int64_t *cand) {
     /* 1: the largest approximate logit (and whether any is NaN or infinite) */
@@ -1064,14 +1066,16 @@ static int64_t ps_head_row(const float *x, int64_t K, const float *wp, const flo
         const int nw = w - i0 < PS_HEAD_WAYS ? (int)(w - i0) : PS_HEAD_WAYS;
         const float *col[PS_HEAD_WAYS];
         float acc[PS_HEAD_WAYS];
+        const int64_t step = wrows ? 1 : PS_GEMM_NR; /* a row of W, or a column of a panel */
         for (int u = 0; u < PS_HEAD_WAYS; ++u) {
             const int64_t c = cand[i0 + (u < nw ? u : 0)];
-            col[u] = wp + (c / PS_GEMM_NR) * K * PS_GEMM_NR + c % PS_GEMM_NR;
+            col[u] = wrows ? wrows + c * ldw
+                           : wp + (c / PS_GEMM_NR) * K * PS_GEMM_NR + c % PS_GEMM_NR;
             acc[u] = 0.0f;
         }
         for (int64_t k = 0; k < K; ++k)
             for (int u = 0; u < PS_HEAD_WAYS; ++u)
-                acc[u] = __builtin_fmaf(x[k], col[u][k * PS_GEMM_NR], acc[u]);
+                acc[u] = __builtin_fmaf(x[k], col[u][k * step], acc[u]);
         for (int u = 0; u < nw; ++u) {
             if (!(acc[u] - acc[u] == 0.0f)) return -1;
             if (acc[u] > top) {
@@ -1086,7 +1090,7 @@ static int64_t ps_head_row(const float *x, int64_t K, const float *wp, const flo
 int64_t ps_gemm_head_list(void) { return PS_HEAD_LIST; }
 
 void ps_gemm_head_greedy(const float *x, int64_t M, int64_t K, int64_t ldx, const float *wp,
-                         int64_t N, const float *approx, int64_t lda, const float *norms,
+                         const float *wrows, int64_t ldw, int64_t N, const float *approx, int64_t lda, const float *norms,
                          float nmax, const float *slack, int64_t cap, int64_t *cand,
                          int64_t *tokens, int32_t threads) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (M > 1)
@@ -1095,7 +1099,7 @@ void ps_gemm_head_greedy(const float *x, int64_t M, int64_t K, int64_t ldx, cons
 #ifdef _OPENMP
         t = omp_get_thread_num();
 #endif
-        tokens[r] = ps_head_row(x + r * ldx, K, wp, approx + r * lda, N, norms, slack[2 * r],
+        tokens[r] = ps_head_row(x + r * ldx, K, wp, wrows, ldw, approx + r * lda, N, norms, slack[2 * r],
                                 slack[2 * r + 1], nmax, cap, cand + t * PS_HEAD_LIST);
     }
 }

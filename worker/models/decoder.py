@@ -106,7 +106,8 @@ class CausalLM(nn.Module):
         packed for the C GEMM in float32 and the CPU multiplies bfloat16; whether it is on."""
         head = self.lm_head_weight
         if isinstance(head, PanelWeight):
-            self.greedy_head = GreedyHead.build(head)
+            tied = self.config.tie_word_embeddings and self.embed_weight.dtype == torch.float32
+            self.greedy_head = GreedyHead.build(head, self.embed_weight.detach() if tied else None)
         return self.greedy_head is not None
 
     @torch.inference_mode()
