@@ -416,6 +416,35 @@ def test_weight_formats_times_each_format_against_float32(
         assert 0.0 <= int8["agreement"] <= 1.0 and "agreement" not in f32
 
 
+def test_engine_ab_pairs_two_configurations_in_one_process(
+    tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``bench.engine_ab``: both engines run each round's workload, the paired ratios are the
+    rounds' own, and a setting meant to keep the outputs (the greedy screen) keeps every token."""
+    from bench import engine_ab
+
+    engine_ab.main(["--model", str(tiny_model_dir), "--set", "greedy_screen=false",
+                    "--preset", "smoke", "--workloads", "uniform", "--rounds", "2",
+                    "--threads", "1", "--max-model-len", "512"])  # fmt: skip
+    rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rec["bench"] == "engine_ab" and rec["set"] == {"greedy_screen": False}
+    row = rec["workloads"]["uniform"]
+    paired = [a / b for a, b in zip(row["a_tok_s_rounds"], row["b_tok_s_rounds"], strict=True)]
+    assert len(paired) == 2 and all(x > 0 for x in paired)
+    assert row["a_over_b_rounds"] == pytest.approx(paired, rel=5e-3, abs=1e-3)
+    assert row["tokens_identical"] is True
+
+
+def test_engine_ab_takes_only_engine_config_fields() -> None:
+    from bench.engine_ab import parse_sets
+
+    got = parse_sets(["greedy_screen=false", "max_num_seqs=8", "dtype=float32"])
+    assert got == {"greedy_screen": False, "max_num_seqs": 8, "dtype": "float32"}
+    for bad in (["no_such_field=1"], ["greedy_screen"]):
+        with pytest.raises(SystemExit):
+            parse_sets(bad)
+
+
 def test_weight_formats_agreement_counts_up_to_the_first_difference() -> None:
     from bench.weight_formats import agreement
 
