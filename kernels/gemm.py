@@ -82,6 +82,10 @@ class NativeGemm:
         lib.ps_gemm_i8_group.restype = ctypes.c_int
         lib.ps_gemm_glu_partial.argtypes = [_I64, _I64]
         lib.ps_gemm_glu_partial.restype = ctypes.c_int
+        lib.ps_gemm_head_greedy.argtypes = [_P, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, _I64,
+                                            _P, ctypes.c_float, _P, _I64, _P, _P, _I32]  # fmt: skip
+        lib.ps_gemm_head_greedy.restype = None
+        lib.ps_gemm_head_list.restype = _I64
         self._lib = lib
         #: Output columns per panel: 16 with 8-float vectors, 32 with 16-float ones.
         self.panel_width = int(lib.ps_gemm_panel_width())
@@ -92,6 +96,8 @@ class NativeGemm:
         #: Whether this build has the AMX tile path and Linux granted this process the tiles:
         #: weights packed by :meth:`pack_bf16` with ``in`` a multiple of 32 then multiply on it.
         self.amx = self.bf16 and bool(lib.ps_gemm_amx_available())
+        #: Candidate columns ``head_greedy`` lists per row at most (its scratch, per thread).
+        self.head_list = int(lib.ps_gemm_head_list())
 
     def tiles_take(self, in_features: int) -> bool:
         """Whether bfloat16 weights of this input width multiply on the AMX tiles here."""
@@ -208,6 +214,31 @@ class NativeGemm:
             run = self._lib.ps_gemm_bf16 if bf16 else self._lib.ps_gemm_f32
             run(*args, torch.get_num_threads())
         return y
+
+    def head_greedy(
+        self,
+        x: torch.Tensor,
+        head: PanelWeight,
+        rows: torch.Tensor | None,
+        approx: torch.Tensor,
+        norms: torch.Tensor,
+        nmax: float,
+        slack: torch.Tensor,
+        cap: int,
+        tokens: torch.Tensor,
+    ) -> None:
+        """``ps_gemm_head_greedy`` (:mod:`kernels.greedy_head`): into ``tokens`` (int64) each
+        row's float32 greedy token of the float32 ``head`` from ``approx`` (its bfloat16
+        products), or -1. ``rows``: the head's weight unpacked, or None (the panels are read);
+        ``slack``: [rows, 2] float32 (s, t) of each row's bound."""
+        threads = torch.get_num_threads()
+        cand = torch.empty(threads * self.head_list, dtype=torch.int64)
+        self._lib.ps_gemm_head_greedy(
+            x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), head.panels.data_ptr(),
+            None if rows is None else rows.data_ptr(), 0 if rows is None else rows.stride(0),
+            head.out_features, approx.data_ptr(), approx.stride(0), norms.data_ptr(), nmax,
+            slack.data_ptr(), cap, cand.data_ptr(), tokens.data_ptr(), threads,
+        )  # fmt: skip
 
     def _matmul_int8(
         self, x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None

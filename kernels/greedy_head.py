@@ -33,30 +33,17 @@ rounding could overflow), and rows with more than ``cap`` candidates, take the f
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 
 import torch
 
-from kernels.gemm import NativeGemm, PanelWeight
+from kernels.gemm import PanelWeight
 
 #: Most columns computed in float32 per row before the row takes the whole float32 head.
 CAP = 64
 _U = 2.0**-24
 _TINY = 2.0**-126
 _X_LIMIT = 1e30
-_P = ctypes.c_void_p
-_I64 = ctypes.c_int64
-
-
-def _bind(gemm: NativeGemm) -> ctypes.CDLL:
-    lib = gemm._lib
-    fn = lib.ps_gemm_head_greedy
-    fn.argtypes = [_P, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, _I64, _P, ctypes.c_float, _P,
-                   _I64, _P, _P, ctypes.c_int32]  # fmt: skip
-    fn.restype = None
-    lib.ps_gemm_head_list.restype = _I64
-    return lib
 
 
 def rounding_factor(in_features: int) -> float:
@@ -89,7 +76,6 @@ class GreedyHead:
         plain = head.panels.dtype == torch.float32 and not head.glu and head.scale is None
         if not (gemm.bf16 and plain and head.in_features % 2 == 0):
             return None
-        _bind(gemm)
         n, k = head.out_features, head.in_features
         weight = head.panels.transpose(1, 2).reshape(-1, k)[:n]  # the head's own values
         norms = torch.linalg.vector_norm(weight.double(), dim=1).float()
@@ -127,15 +113,7 @@ class GreedyHead:
         return tokens.tolist()
 
     def _screen(self, x: torch.Tensor, slack: torch.Tensor, tokens: torch.Tensor) -> None:
-        rows, k = x.shape
         approx = self.screen.matmul(x)
-        lib = self.head.gemm._lib
-        threads = torch.get_num_threads()
-        cand = torch.empty(threads * int(lib.ps_gemm_head_list()), dtype=torch.int64)
-        lib.ps_gemm_head_greedy(
-            x.data_ptr(), rows, k, x.stride(0), self.head.panels.data_ptr(),
-            None if self.rows is None else self.rows.data_ptr(),
-            0 if self.rows is None else self.rows.stride(0), self.head.out_features,
-            approx.data_ptr(), approx.stride(0), self.norms.data_ptr(),
-            self.nmax, slack.data_ptr(), self.cap, cand.data_ptr(), tokens.data_ptr(), threads,
-        )  # fmt: skip
+        self.head.gemm.head_greedy(
+            x, self.head, self.rows, approx, self.norms, self.nmax, slack, self.cap, tokens
+        )

@@ -271,7 +271,7 @@ class Engine:
         logits = self.runner.execute(out, greedy)
         changed: dict[str, RequestState] = {}
         if logits is not None:
-            pairs = self._sample(out, logits, changed)
+            pairs = self._sample(out, logits, changed, greedy)
             for upd in self.scheduler.postprocess(pairs):
                 self._on_token(upd, changed)
         for seq in self.scheduler.take_finished():
@@ -294,13 +294,15 @@ class Engine:
         out: SchedulerOutput,
         logits: torch.Tensor | list[int],
         changed: dict[str, RequestState],
+        greedy: bool,
     ) -> list[tuple[int, int]]:
+        """``greedy``: every sampling row is ``req.greedy`` (then ``logits`` may be the tokens
+        themselves: the runner's screened head, :meth:`ModelRunner.execute`)."""
         by_seq = self._by_seq
         sampled = [s for s in out.scheduled if s.sample]
         owners = [by_seq[s.seq_id] for s in sampled]
-        if isinstance(logits, list) or all(req.greedy for req, _ in owners):
-            # Most batches: every row's token is its argmax; no per-row sampling state (a list:
-            # the runner's screened head gave the tokens themselves).
+        if greedy:
+            # Most batches: every row's token is its argmax; no per-row sampling state.
             tokens = logits if isinstance(logits, list) else greedy_tokens(logits)
             pairs: list[tuple[int, int]] = []
             for (req, comp), tok in zip(owners, tokens, strict=True):
@@ -309,6 +311,7 @@ class Engine:
                     self._first_token(req, comp)
                 changed[req.request_id] = req
             return pairs
+        assert not isinstance(logits, list)  # tokens come only for a greedy batch
         return self._sample_rows(sampled, owners, logits, changed)
 
     def _sample_rows(

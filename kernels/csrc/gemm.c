@@ -1000,9 +1000,8 @@ void ps_gemm_bf16_amx(const float *x, int64_t M, int64_t K, int64_t ldx, const u
 #define PS_HEAD_LIST 256 /* columns listed per row before the final bound (the scratch's) */
 #define PS_HEAD_WAYS 8
 static int64_t ps_head_row(const float *x, int64_t K, const float *wp, const float *wrows,
-                           int64_t ldw, const float *a,
-                           int64_t N, const float *norms, float s, float t, float nmax,
-                           int64_t cap, int64_t *cand) {
+                           int64_t ldw, const float *a, int64_t N, const float *norms, float s,
+                           float t, float nmax, int64_t cap, int64_t *cand) {
     /* 1: the largest approximate logit (and whether any is NaN or infinite) */
     float best = -INFINITY;
     int bad = 0;
@@ -1029,12 +1028,12 @@ static int64_t ps_head_row(const float *x, int64_t K, const float *wp, const flo
     const vwsf vs = ps_wsplat(s);
     int64_t n = 0;
     for (j = 0; j + 4 * PS_WIDE_LANES <= N; j += 4 * PS_WIDE_LANES) {
-        vwsf t = ps_wload(a + j) + vs * ps_wload(norms + j);
+        vwsf hi = ps_wload(a + j) + vs * ps_wload(norms + j);
         for (int u = 1; u < 4; ++u) {
             const int64_t o = j + u * PS_WIDE_LANES;
-            t = ps_wvmax(t, ps_wload(a + o) + vs * ps_wload(norms + o));
+            hi = ps_wvmax(hi, ps_wload(a + o) + vs * ps_wload(norms + o));
         }
-        if (ps_wmax(t) < loose) continue;
+        if (ps_wmax(hi) < loose) continue;
         for (int64_t i = j; i < j + 4 * PS_WIDE_LANES; ++i) {
             if (a[i] + s * norms[i] < loose) continue;
             if (n == PS_HEAD_LIST) return -1;
@@ -1090,16 +1089,17 @@ static int64_t ps_head_row(const float *x, int64_t K, const float *wp, const flo
 int64_t ps_gemm_head_list(void) { return PS_HEAD_LIST; }
 
 void ps_gemm_head_greedy(const float *x, int64_t M, int64_t K, int64_t ldx, const float *wp,
-                         const float *wrows, int64_t ldw, int64_t N, const float *approx, int64_t lda, const float *norms,
-                         float nmax, const float *slack, int64_t cap, int64_t *cand,
-                         int64_t *tokens, int32_t threads) {
+                         const float *wrows, int64_t ldw, int64_t N, const float *approx,
+                         int64_t lda, const float *norms, float nmax, const float *slack,
+                         int64_t cap, int64_t *cand, int64_t *tokens, int32_t threads) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (M > 1)
     for (int64_t r = 0; r < M; ++r) {
         int t = 0;
 #ifdef _OPENMP
         t = omp_get_thread_num();
 #endif
-        tokens[r] = ps_head_row(x + r * ldx, K, wp, wrows, ldw, approx + r * lda, N, norms, slack[2 * r],
-                                slack[2 * r + 1], nmax, cap, cand + t * PS_HEAD_LIST);
+        tokens[r] = ps_head_row(x + r * ldx, K, wp, wrows, ldw, approx + r * lda, N, norms,
+                                slack[2 * r], slack[2 * r + 1], nmax, cap,
+                                cand + t * PS_HEAD_LIST);
     }
 }

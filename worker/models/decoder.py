@@ -26,6 +26,7 @@ from worker.models.layers import (
     linear,
     swap_for_packed,
 )
+from worker.sampler import greedy_tokens
 
 # Checkpoint tensors that carry no weights of ours (old exports store rotary buffers).
 _IGNORED_SUFFIXES: tuple[str, ...] = ("rotary_emb.inv_freq",)
@@ -119,8 +120,6 @@ class CausalLM(nn.Module):
         tokens = self.greedy_head.tokens(hidden)
         rest = [i for i, t in enumerate(tokens) if t < 0]
         if rest:  # rows the screen left open: the float32 head (per row the same logits)
-            from worker.sampler import greedy_tokens
-
             idx = torch.tensor(rest, dtype=torch.long)
             picked = self.compute_logits(hidden.index_select(0, idx))
             for i, t in zip(rest, greedy_tokens(picked), strict=True):
