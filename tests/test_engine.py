@@ -354,13 +354,13 @@ def test_the_direct_decoder_renders_what_the_tokenizer_decodes(
     text must be what ``tokenizer.decode`` gives, window by window, with and without special
     tokens, for the tiny checkpoints' tokenizers and the real SmolLM2's."""
     from worker.detokenizer import decoder_of
-    from worker.engine import _load_tokenizer
+    from worker.tokenizing import load_tokenizer
 
     if which == "smollm2":
         model_dir = request.getfixturevalue("real_model_dir")
     else:
         model_dir = make_tiny_model(which)
-    tok = _load_tokenizer(model_dir)
+    tok = load_tokenizer(model_dir)
     assert tok is not None
     rng = random.Random(7)
     specials = list(tok.all_special_ids)
@@ -385,12 +385,12 @@ def test_lazy_detokenizer_renders_what_the_token_by_token_one_does(
     renders token by token (multi-byte characters, random ids, special tokens in between), and
     no delta splits a character the eager one keeps whole. Stop strings stay eager."""
     from worker.detokenizer import IncrementalDetokenizer
-    from worker.engine import _load_tokenizer
+    from worker.tokenizing import load_tokenizer
 
     model_dir = request.getfixturevalue("real_model_dir") if which == "smollm2" else (
         make_tiny_model(which)
     )  # fmt: skip
-    tok = _load_tokenizer(model_dir)
+    tok = load_tokenizer(model_dir)
     assert tok is not None
     rng = random.Random(11)
     text = "Grüß dich, 日本語 — ça va? ✓ 🎉🎉 def main():\n    return 42  # ok"

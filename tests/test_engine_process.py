@@ -20,6 +20,7 @@ from tests.fixtures.workers import StartWorker, wait_for
 from worker.engine import Engine
 from worker.engine_process import EngineDied, EngineProcess, Inbox, Report, send_report
 from worker.outputs import EngineConfig, RequestOutput
+from worker.service_config import ServiceConfig
 
 CFG = EngineConfig(num_kv_blocks=256, max_model_len=512, num_threads=1)
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -135,6 +136,23 @@ def test_prefix_admission_sees_the_childs_cached_blocks(remote: EngineProcess) -
     pool.lookup(*other[0])
     remote.heartbeat_stats()
     assert pool.lookup(*other[0]) is None  # a prefix the pool never held
+
+
+def test_admission_learns_a_whole_prefix_in_one_round_trip(remote: EngineProcess) -> None:
+    """A count of a group's cached blocks asks about every block of its prefix at once (it
+    used to learn one block more per heartbeat: the count stops at the first unknown)."""
+    from worker.admission import Group, PrefixAdmission, _probe_of
+
+    prompt = list(range(100, 180))  # four full blocks probed
+    remote.add_request("p", prompt, GREEDY)
+    assert "p" in run_all(remote)
+    pool = remote.scheduler.pool
+    adm = PrefixAdmission(ServiceConfig(worker_id="w"), remote, {})
+    g = Group(sig="s", probe=_probe_of(prompt, pool.block_size))
+    assert len(g.probe) == 4
+    assert adm._cached_blocks(g) == 0  # nothing known yet: all four asked
+    remote.heartbeat_stats()
+    assert adm._cached_blocks(g) == 4
 
 
 def test_a_dead_child_is_an_error(remote: EngineProcess) -> None:

@@ -423,7 +423,8 @@ def test_pool_and_metrics_show_cached_prefixes(
     groups = {g["signature"]: g for g in w["prefixes"]}
     assert set(groups) == sigs
     assert sum(g["hits"] for g in groups.values()) >= 20  # all but each group's first jobs
-    assert all(g["blocks"] == 4 for g in groups.values())  # 64-token prefixes, 16-token blocks
+    # 64-token prefixes, 16-token blocks
+    assert all(g["blocks"] == 4 for g in groups.values()), groups
     text = api.get("/metrics").get_data(as_text=True)
     ratio = [ln for ln in text.splitlines() if ln.startswith("pagedserve:prefix_cache_hit_ratio{")]
     assert len(ratio) == 1 and float(ratio[0].split()[-1]) > 0.5

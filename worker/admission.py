@@ -275,6 +275,9 @@ class PrefixAdmission:
         if pool is None:
             return 0
         limit = min(limit or len(g.probe), g.depth or len(g.probe))
+        prefetch = getattr(pool, "prefetch", None)  # (an engine process's view: asks ahead)
+        if prefetch is not None:
+            prefetch(g.probe[:limit])
         n = 0
         for h, toks in g.probe[:limit]:
             if pool.lookup(h, toks) is None:

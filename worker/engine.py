@@ -35,6 +35,7 @@ from worker.outputs import EngineConfig, RequestOutput, RequestRejected
 from worker.request_state import CompletionState, RequestState, new_completion
 from worker.sampler import Sampler, SampleRow, greedy_tokens, has_penalties, plain_greedy
 from worker.structured import ConstraintError, GrammarState, StructuredDecoding
+from worker.tokenizing import load_tokenizer, tokenize
 
 log = logging.getLogger(__name__)
 
@@ -47,17 +48,6 @@ GC_GEN0_THRESHOLD = 10_000
 _PRIORITIES = {"interactive": Priority.INTERACTIVE, "bulk": Priority.BULK}
 
 __all__ = ["Engine", "EngineStats"]
-
-
-def _load_tokenizer(model_dir: Path) -> Any | None:
-    if (
-        not (model_dir / "tokenizer.json").exists()
-        and not (model_dir / "tokenizer_config.json").exists()
-    ):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
 
 
 class Engine:
@@ -82,7 +72,7 @@ class Engine:
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.model.config.vocab_size
         self.eos_token_ids = frozenset(self.runner.model.config.eos_token_ids)
-        self.tokenizer = _load_tokenizer(self.model_dir)
+        self.tokenizer = load_tokenizer(self.model_dir)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 num_blocks=self.runner.layout.num_blocks,
@@ -126,34 +116,7 @@ class Engine:
     def tokenize(
         self, prompt: str | list[int] | None, messages: list[dict] | None
     ) -> tuple[str | None, list[int]]:
-        if messages is not None:
-            if self.tokenizer is None:
-                raise RequestRejected(
-                    "this model has no tokenizer, so chat messages cannot be rendered"
-                )
-            try:
-                text = self.tokenizer.apply_chat_template(
-                    [dict(m) for m in messages], tokenize=False, add_generation_prompt=True
-                )
-            except Exception as exc:  # template errors are user input errors here
-                raise RequestRejected(f"chat template failed: {exc}") from exc
-            return text, self.tokenizer.encode(text, add_special_tokens=False)
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestRejected("this model has no tokenizer: send prompt token ids")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, list):
-            bad = [
-                t
-                for t in prompt
-                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size
-            ]
-            if bad:
-                raise RequestRejected(
-                    f"prompt token ids must be integers in [0, {self.vocab_size}); got {bad[:5]}"
-                )
-            return None, list(prompt)
-        raise RequestRejected("a request needs a prompt (text or token ids) or chat messages")
+        return tokenize(self.tokenizer, self.vocab_size, prompt, messages)
 
     def prepare(self, params: SamplingParams) -> None:
         """Work a request needs before it joins the batch, done by the caller's thread (the

@@ -557,7 +557,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         lease_ms=cfg.lease_ms,
         max_deliveries=cfg.max_deliveries,
     )
-    from worker.engine_process import EngineDied  # (torch: imported once the options are read)
+    from worker.engine_process import EngineDied  # (no torch: the engine's process imports it)
 
     engine = _make_engine(args.model, engine_config(args), cfg.engine_process)
     worker = Worker(engine, store, cfg)  # type: ignore[arg-type]
