@@ -10,7 +10,8 @@
 #   5. where a redis-server is on the PATH, bench.service on the GPU (the service path at GPU step
 #      speeds against the offline engine; its engine_over_offline_wall, engine_off_cpu_share (the
 #      interpreter lock's share of the steps) and loop_service_share split the gap; the worker
-#      with --engine-process against the same tree's in-process one (service_over_baseline); it
+#      with its engine process (the default) against the same tree's in-process one
+#      (--no-engine-process: service_over_baseline); it
 #      needs this project's service packages: redis, ...).
 # Every step runs even when one before it failed; the exit status says whether all passed.
 # Usage, from the repository root: bash bench/gpu_check.sh   (PYTHON=... to pick an interpreter)
@@ -36,7 +37,8 @@ step throughput 300 "$PY" -m bench.throughput --device cuda --dtype bfloat16 --p
   --workload all --systems ours,hf-static --requests 256 --batch-sizes 64,256 --timeout 120
 if command -v redis-server >/dev/null; then
   step service 300 "$PY" -m bench.service --preset tiny --device cuda --dtype bfloat16 \
-    --rounds 3 --requests 384 --worker-flags=--engine-process --baseline-tree .
+    --rounds 3 --requests 384 --worker-flags=--engine-process --baseline-tree . \
+    --baseline-flags=--no-engine-process
 else
   echo "=== service: skipped (no redis-server on the PATH)"
 fi

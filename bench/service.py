@@ -20,8 +20,9 @@ interpreter lock held by the worker's writer or claimer thread, or preempted; th
 thread's context switches per round: ``engine_thread_vcsw_rounds``, voluntary, e.g. each wait
 for that lock, and ``engine_thread_ivcsw_rounds``, preemptions), and ``steps_over_offline``
 compares the engine steps each ran (from the heartbeat; > 1: the worker's batches were smaller,
-e.g. while its first claims came in). With ``--worker-flags=--engine-process`` the worker's
-engine steps in a child process: its loop clock then times the waits for it, and
+e.g. while its first claims came in). Under ``--engine-process`` (the worker's default; A/B
+with ``--baseline-flags=--no-engine-process``) the worker's engine steps in a child process:
+its loop clock then times the waits for it, and
 ``engine_thread_cpu_over_offline`` compares that process's stepping thread's CPU time (its steps
 and its reports) with the offline engine's. With one torch thread on a CPU machine of two or more
 CPUs, each round pins the offline engine and each worker's stepping thread to the same CPU, the

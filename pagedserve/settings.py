@@ -19,7 +19,7 @@ import dataclasses
 import os
 import types
 import typing
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -284,6 +284,24 @@ def _shown_default(o: _Option) -> str:
     return f" (default: ${o.env.name}, else {value})" if o.env else f" (default: {value})"
 
 
+class _Switch(argparse.Action):
+    """A switch flag: its first name sets ``const`` (the default's opposite), the other the
+    default itself."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        first = option_string == self.option_strings[0]
+        setattr(namespace, self.dest, self.const if first else not self.const)
+
+
 def add_options(
     parser: argparse.ArgumentParser | argparse._ArgumentGroup,
     cls: type,
@@ -296,14 +314,19 @@ def add_options(
         if o.dest in skip:
             continue
         kwargs: dict[str, Any] = {"dest": o.dest, "default": argparse.SUPPRESS}
+        names = [o.flag_name()]
         if o.switch:
-            kwargs.update(action="store_const", const=not o.default)
+            # both spellings (--x / --no-x): a script that says what it wants keeps working
+            # when a default changes; the default is the first name's opposite
+            first = names[0]
+            names.append(f"--{first[5:]}" if first.startswith("--no-") else f"--no-{first[2:]}")
+            kwargs.update(action=_Switch, const=not o.default)
             shown = f" (${o.env.name})" if o.env else ""
         else:
             shown = _shown_default(o)
             kwargs.update(type=o.from_text, metavar=o.dest.upper(), choices=o.choices)
         # argparse formats help with %: a literal one ("2-14% faster") broke --help
-        parser.add_argument(o.flag_name(), help=(o.help + shown).replace("%", "%%"), **kwargs)
+        parser.add_argument(*names, help=(o.help + shown).replace("%", "%%"), **kwargs)
 
 
 def values(

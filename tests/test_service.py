@@ -51,9 +51,10 @@ def heartbeat(client: Client, worker_id: str) -> dict:
     return client.store.workers().get(worker_id, {})
 
 
-#: The engine in the worker's process, and in a child of its own (worker/engine_process.py).
+#: The engine in the worker's process, and in a child of its own (worker/engine_process.py,
+#: the default).
 ENGINE_PLACES = pytest.mark.parametrize(
-    "engine_flags", [(), ("--engine-process",)], ids=["in-process", "engine-process"]
+    "engine_flags", [("--no-engine-process",), ()], ids=["in-process", "engine-process"]
 )
 
 

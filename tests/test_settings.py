@@ -132,6 +132,20 @@ def test_every_option_field_has_a_working_flag() -> None:
     assert {"block_size", "enable_prefix_caching", "lease_ms", "redis_url"} <= flagged
 
 
+def test_switches_take_both_spellings() -> None:
+    """``--engine-process`` and ``--no-engine-process`` both parse (a script that names what it
+    wants keeps working when a default changes); the last one given wins."""
+
+    def placed(*argv: str) -> bool:
+        return service_config(parse_args(["--model=m", *argv])).engine_process
+
+    assert placed() is ServiceConfig().engine_process is True
+    assert placed("--no-engine-process") is False and placed("--engine-process") is True
+    assert placed("--engine-process", "--no-engine-process") is False
+    assert engine_config(parse_args(["--model=m", "--no-greedy-screen"])).greedy_screen is False
+    assert engine_config(parse_args(["--model=m", "--greedy-screen"])).greedy_screen is True
+
+
 def test_help_prints_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
     """``--help`` of each process (argparse formats help text with %: a literal "14%" in one
     flag's help once made the worker's --help crash)."""

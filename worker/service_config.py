@@ -94,12 +94,15 @@ class ServiceConfig:
     # (interactive jobs' go at once): fewer wakes of the writer's thread (worker/writer.py).
     write_interval_s: float = 0.05
     # The engine in a child process of its own (worker/engine_process.py): the service's Python
-    # work no longer takes the interpreter lock from the engine's steps.
+    # work no longer takes the interpreter lock from the engine's steps. The default since the
+    # forty-first session: at fast steps it ran 2-14% faster than the engine in the loop's
+    # process on every CPU kind measured (never slower; a tie at slow steps), at ~0.4 GB more
+    # memory and ~2.5 s more to start (bench/README.md).
     engine_process: bool = field(
-        default=False,
-        metadata=opt("step the engine in a child process, beside the service loop "
-                     "(2-14% faster at fast steps on Xeons, a tie on a Zen 4; ~0.3 GB more "
-                     "memory: bench/README.md)"),
+        default=True,
+        metadata=opt("step the engine in a child process beside the service loop; "
+                     "--no-engine-process keeps it in the loop's process (one process, "
+                     "~0.4 GB less memory, 2-14% slower at fast steps: bench/README.md)"),
     )  # fmt: skip
     # At exit, how long the writer may go on retrying writes that Redis has not taken yet.
     writer_drain_s: float = 5.0
