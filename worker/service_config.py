@@ -96,8 +96,8 @@ class ServiceConfig:
     # The engine in a child process of its own (worker/engine_process.py): the service's Python
     # work no longer takes the interpreter lock from the engine's steps. The default since the
     # forty-first session: at fast steps it ran 2-14% faster than the engine in the loop's
-    # process on every CPU kind measured (within 1.5% either way at slow steps), at ~0.4 GB more
-    # memory and ~2.5 s more to start (bench/README.md).
+    # process on every CPU kind measured (a tie at slow steps), at ~0.3-0.4 GB more memory;
+    # it starts as fast (the worker loads the tokenizer while the child loads the model).
     engine_process: bool = field(
         default=True,
         metadata=opt("step the engine in a child process beside the service loop; "
