@@ -285,8 +285,7 @@ def _shown_default(o: _Option) -> str:
 
 
 class _Switch(argparse.Action):
-    """A switch flag: its first name sets ``const`` (the default's opposite), the other the
-    default itself."""
+    """A switch flag under both spellings: ``--no-x`` sets False, ``--x`` True."""
 
     def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
         super().__init__(option_strings, dest, nargs=0, **kwargs)
@@ -298,8 +297,7 @@ class _Switch(argparse.Action):
         values: Any,
         option_string: str | None = None,
     ) -> None:
-        first = option_string == self.option_strings[0]
-        setattr(namespace, self.dest, self.const if first else not self.const)
+        setattr(namespace, self.dest, not (option_string or "").startswith("--no-"))
 
 
 def add_options(
@@ -317,10 +315,10 @@ def add_options(
         names = [o.flag_name()]
         if o.switch:
             # both spellings (--x / --no-x): a script that says what it wants keeps working
-            # when a default changes; the default is the first name's opposite
+            # when a default changes; the documented one (the default's opposite) first
             first = names[0]
             names.append(f"--{first[5:]}" if first.startswith("--no-") else f"--no-{first[2:]}")
-            kwargs.update(action=_Switch, const=not o.default)
+            kwargs.update(action=_Switch)
             shown = f" (${o.env.name})" if o.env else ""
         else:
             shown = _shown_default(o)

@@ -1,5 +1,6 @@
-"""``pagedserve worker --engine-process``: the engine steps in a child process of its own, the
-service loop (claims, admission, Redis writes, heartbeats) runs in the worker's process.
+"""``pagedserve worker`` (``--engine-process``, the default): the engine steps in a child process
+of its own, the service loop (claims, admission, Redis writes, heartbeats) runs in the worker's
+process; ``--no-engine-process`` keeps the engine in the loop's process.
 
 Why: with the engine in the loop's process, every piece of the service's Python work (the
 loop's own, and the writer's and claimer's threads) holds the one interpreter lock that the
@@ -49,7 +50,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedserve.telemetry import EngineTelemetry
 from worker.model_source import resolve_model
@@ -62,6 +63,9 @@ from worker.outputs import (
     refusal,
 )
 from worker.tokenizing import load_tokenizer, tokenize
+
+if TYPE_CHECKING:  # (the worker's process never imports the engine: torch)
+    from worker.engine import Engine
 
 #: How long ``step`` waits for the child's next report.
 STEP_WAIT_S = 0.05
@@ -197,11 +201,10 @@ class LogSetup:
         logging.basicConfig(level=self.level, format=self.format, stream=sys.stderr)
 
 
-def _serve(conn: Any, model: str, cfg: EngineConfig, logs: LogSetup | None = None) -> None:
+def _serve(conn: Any, model: str, cfg: EngineConfig, logs: LogSetup) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if logs is not None:
-        logs.apply()
+    logs.apply()
     try:
         from worker.engine import Engine  # (torch: imported in the child only)
 
@@ -243,7 +246,7 @@ def _serve(conn: Any, model: str, cfg: EngineConfig, logs: LogSetup | None = Non
             return
 
 
-def _apply(eng: Any, orders: list[tuple[Any, ...]], rep: Report, enc: DeltaEncoder) -> bool:
+def _apply(eng: Engine, orders: list[tuple[Any, ...]], rep: Report, enc: DeltaEncoder) -> bool:
     """Carry out one batch of orders; True if it asks for the stats."""
     stats = False
     for op, *args in orders:
