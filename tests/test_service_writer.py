@@ -16,7 +16,7 @@ from pagedserve.params import SamplingParams
 from pagedserve.schemas import Completion, DeltaEvent, JobRequest, JobResult, JobStatus
 from pagedserve.store import Finish, JobStore, Lease, Progress, StepResult
 from tests.fixtures.redis_server import RedisFactory
-from tests.fixtures.workers import run_loop_until, wait_for
+from tests.fixtures.workers import loop_once, run_loop_until, wait_for
 from worker.engine import Engine
 from worker.service import WRITE_FAILED, ServiceConfig
 from worker.writer import Batch, Writer
@@ -369,4 +369,35 @@ def test_progress_of_jobs_no_reader_follows_is_written_at_the_bulk_interval(
         assert rec.result is not None
         assert accumulate(events(store, jid)).token_ids[0] == rec.result.completions[0].token_ids
     assert accumulate(streamed).token_ids[0] == client.get(followed).result.completions[0].token_ids
+    assert w.writer.close(5)
+
+
+def test_a_first_token_is_written_from_the_steps_output_without_a_snapshot(
+    make_worker: Any, redis_url: str, loop_engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job's first token is flushed at once from the output the step just gave; asking the
+    engine for a snapshot of it as well was one round trip more per job under the engine
+    process (a quarter of its snapshots at ``bench.service --preset tiny``). Later bulk
+    flushes of jobs that did not report in that step still ask for one."""
+    store = JobStore(redis_url, lease_ms=60_000)
+    cfg = ServiceConfig(worker_id="w", redis_url=redis_url, bulk_progress_interval_ms=60_000)
+    w = make_worker(loop_engine, store, cfg)
+    asked: list[str] = []
+    snapshot = loop_engine.snapshot
+    monkeypatch.setattr(loop_engine, "snapshot", lambda jid: asked.append(jid) or snapshot(jid))
+    client = Client(redis_url)
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    jid = client.submit([5, 6, 7], params, priority="bulk")
+    run_loop_until(w, lambda: jid in w.jobs and w.jobs[jid].first_token_seen)
+    assert w.writer.flush(10)
+    rec = client.get(jid)
+    assert rec is not None and rec.tokens_generated >= 1  # written at once
+    assert [e.type for e in events(store, jid)].count("delta") == 1
+    assert asked == []
+    w.next_flush = w.next_bulk_flush = 0.0  # the next flush: every job, none just reported
+    loop_once(w)
+    assert asked == [jid]
+    run_loop_until(w, lambda: client.status(jid).terminal)
+    rec = client.get(jid)
+    assert rec is not None and rec.tokens_generated == params.max_tokens
     assert w.writer.close(5)

@@ -360,8 +360,11 @@ class Worker:
             if every:
                 self.next_bulk_flush = now + self.cfg.bulk_progress_interval_s
             flush += [st for st in jobs.values() if every or st.watched]
+        fresh = {out.request_id for out in outputs} if flush else set()
         for st in flush:
-            if st.latest is not None:  # started (finished jobs have left ``jobs``)
+            # a job that just reported (its first token, a streamed step) is current already;
+            # others ask for a snapshot (started ones: finished jobs have left ``jobs``)
+            if st.latest is not None and st.lease.job_id not in fresh:
                 st.latest = self.engine.snapshot(st.lease.job_id) or st.latest
             self.unsent_progress += st.take_progress()
 
