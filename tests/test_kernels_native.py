@@ -268,6 +268,26 @@ def test_tiled_prefill_narrow_vector_build(
 
 
 @needs_compiler
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "lanes"),
+    [(9, 3, 64, 16), (14, 2, 64, 16), (16, 2, 64, 16), (16, 4, 128, 16), (9, 3, 64, 8)],
+)
+def test_tiled_prefill_chunks_after_a_long_context(
+    num_heads: int, num_kv_heads: int, head_dim: int, lanes: int
+) -> None:
+    """Chunks after a long context (a prompt's suffix after a cached prefix, as in the
+    ``shared-prefix`` workload: softmax updates past the fourth, tasks of 64 tokens x 8 heads)
+    against the reference, in the 16- and the 8-float builds."""
+    kernel = native.NativeDecode(native.build(flags=[*native.FLAGS, f"-DPS_WIDE_LANES={lanes}"]))
+    batch = make_batch([40, 64, 70, 3, 1], [1064, 584, 1100, 900, 300], num_heads=num_heads,
+                       num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=16)  # fmt: skip
+    backend = TorchBackend(native=True, kernel=kernel, tiled_prefill=True)
+    run_and_compare(batch, backend=backend)
+    work = prefill_plan(backend)
+    assert work.prefill is not None and work.prefill.query_lens.tolist() == [40, 64, 70, 3]
+
+
+@needs_compiler
 def test_tiled_prefill_large_scores_and_env_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     """Scores hundreds apart underflow cleanly (no inf/nan) in the tiled kernel; and
     PAGEDSERVE_TILED_PREFILL=0 sends prefill tokens back to the decode kernel's rows."""
