@@ -236,3 +236,57 @@ def test_a_worker_keeps_its_cache_in_bfloat16_when_told(
     assert rec.result.completions[0].token_ids == want
     pools = [hb.pool for hb in parse_heartbeats(JobStore(redis_url).workers()).values()]
     assert [p.kv_cache_dtype if p else None for p in pools] == ["bfloat16"]
+
+
+@pytest.mark.parametrize("which", ["llama", "qwen2", "mistral", "smollm2"])
+def test_the_workers_tokenizer_is_the_class_autotokenizer_chose(
+    which: str, make_tiny_model, request: pytest.FixtureRequest
+) -> None:
+    """The worker's process loads its tokenizer as the class the engine's ``AutoTokenizer``
+    chose (``load_tokenizer_as``): the same class, the same ids, chat renderings and special
+    tokens, for the tiny checkpoints' tokenizers and the real SmolLM2's. Class paths outside
+    transformers are refused."""
+    from worker.tokenizing import class_path, load_tokenizer, load_tokenizer_as, tokenize
+
+    model_dir = request.getfixturevalue("real_model_dir") if which == "smollm2" else (
+        make_tiny_model(which)
+    )  # fmt: skip
+    auto = load_tokenizer(model_dir)
+    path = class_path(auto)
+    assert path is not None
+    direct = load_tokenizer_as(model_dir, path)
+    assert type(direct) is type(auto)
+    assert direct.all_special_ids == auto.all_special_ids
+    assert direct.eos_token_id == auto.eos_token_id and len(direct) == len(auto)
+    vocab = len(auto)
+    for text in ["The quick brown fox", "Grüß dich, 日本語 — ça va? ✓\n  x = 42", ""]:
+        assert tokenize(direct, vocab, text, None) == tokenize(auto, vocab, text, None)
+    if auto.chat_template is not None:
+        chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi ✓"}]
+        assert tokenize(direct, vocab, None, chat) == tokenize(auto, vocab, None, chat)
+    for bad in ["os:system", "pickle:loads", "transformers.x:not-a-name"]:
+        with pytest.raises(ValueError, match="not a tokenizer class"):
+            load_tokenizer_as(model_dir, bad)
+
+
+def test_the_workers_process_never_imports_torch(real_model_dir: Path) -> None:
+    """With the engine in its own process, the worker's process (claims, tokenizing, writes)
+    never imports torch: its tokenizer is loaded without ``AutoTokenizer`` (whose module pulls
+    torch in through transformers' configuration code: ~350 MB and 3 s more)."""
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from worker.engine_process import EngineProcess\n"
+        "from worker.outputs import EngineConfig\n"
+        f"e = EngineProcess(Path({str(real_model_dir)!r}), EngineConfig(num_kv_blocks=64,"
+        " max_model_len=256, num_threads=1))\n"
+        "text, ids = e.tokenize(None, [{'role': 'user', 'content': 'Hi'}])\n"
+        "e.close()\n"
+        "print('torch' in sys.modules, 'transformers.models.auto' in sys.modules, len(ids) > 3)\n"
+    )
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).parent.parent, timeout=300)  # fmt: skip
+    assert out.stdout.split() == ["False", "False", "True"], out.stderr[-2000:]
