@@ -96,13 +96,14 @@ class ServiceConfig:
     # The engine in a child process of its own (worker/engine_process.py): the service's Python
     # work no longer takes the interpreter lock from the engine's steps. The default since the
     # forty-first session: at fast steps it ran 2-14% faster than the engine in the loop's
-    # process on every CPU kind measured (a tie at slow steps), at ~0.3-0.4 GB more memory;
-    # it starts as fast (the worker loads the tokenizer while the child loads the model).
+    # process on every CPU kind measured (a tie at slow steps); since the forty-second session
+    # the loop's process never imports torch (its tokenizer: the class the child's
+    # AutoTokenizer chose), so it costs ~0.06 GB more memory, and it starts as fast.
     engine_process: bool = field(
         default=True,
         metadata=opt("step the engine in a child process beside the service loop; "
                      "--no-engine-process keeps it in the loop's process (one process, "
-                     "~0.4 GB less memory, 2-14% slower at fast steps: bench/README.md)"),
+                     "~0.06 GB less memory, 2-14% slower at fast steps: bench/README.md)"),
     )  # fmt: skip
     # At exit, how long the writer may go on retrying writes that Redis has not taken yet.
     writer_drain_s: float = 5.0
