@@ -272,7 +272,8 @@ def test_the_workers_tokenizer_is_the_class_autotokenizer_chose(
 def test_the_workers_process_never_imports_torch(real_model_dir: Path) -> None:
     """With the engine in its own process, the worker's process (claims, tokenizing, writes)
     never imports torch: its tokenizer is loaded without ``AutoTokenizer`` (whose module pulls
-    torch in through transformers' configuration code: ~350 MB and 3 s more)."""
+    torch in through transformers' configuration code: ~350 MB and 3 s more), and renders its
+    outputs' text there (:mod:`worker.output_text`) without it either."""
     code = (
         "import sys\n"
         "from pathlib import Path\n"
@@ -280,13 +281,19 @@ def test_the_workers_process_never_imports_torch(real_model_dir: Path) -> None:
         "from worker.outputs import EngineConfig\n"
         f"e = EngineProcess(Path({str(real_model_dir)!r}), EngineConfig(num_kv_blocks=64,"
         " max_model_len=256, num_threads=1))\n"
+        "from pagedserve.params import SamplingParams\n"
         "text, ids = e.tokenize(None, [{'role': 'user', 'content': 'Hi'}])\n"
+        "e.add_request('a', ids, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))\n"
+        "out = None\n"
+        "while e.has_unfinished():\n"
+        "    out = ([o for o in e.step() if o.finished] or [out])[0]\n"
         "e.close()\n"
-        "print('torch' in sys.modules, 'transformers.models.auto' in sys.modules, len(ids) > 3)\n"
+        "print('torch' in sys.modules, 'transformers.models.auto' in sys.modules, len(ids) > 3,"
+        " bool(out.outputs[0].text))\n"
     )
     import subprocess
     import sys
 
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=Path(__file__).parent.parent, timeout=300)  # fmt: skip
-    assert out.stdout.split() == ["False", "False", "True"], out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "False", "True", "True"], out.stderr[-2000:]

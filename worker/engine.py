@@ -31,6 +31,7 @@ from scheduler.sequence import FinishReason, Priority, Sequence, StopConditions
 from worker.engine_stats import EngineStats, StatsKeeper
 from worker.model_runner import ModelRunner
 from worker.model_source import resolve_model, served_model_name
+from worker.output_text import text_read_later
 from worker.outputs import EngineConfig, RequestOutput, RequestRejected
 from worker.request_state import CompletionState, RequestState, new_completion
 from worker.sampler import Sampler, SampleRow, greedy_tokens, has_penalties, plain_greedy
@@ -138,8 +139,14 @@ class Engine:
         messages: list[dict] | None = None,
         cache_salt: str | None = None,
         stream: bool = True,
+        render_text: bool = True,
     ) -> None:
         """Queue a request; raises RequestRejected for one that can never be served.
+
+        ``render_text=False``: a request whose text nothing here needs (:func:`text_read_later`:
+        no stop strings, no grammar) gets none; its outputs carry empty text for a caller that
+        renders it from the token ids with the same tokenizer (:class:`OutputText` in
+        :mod:`worker.output_text`: the engine process's parent, off its stepping thread).
 
         ``stream=False``: :meth:`step` reports the request only at its first token and when it
         finishes, not at every step; :meth:`snapshot` gives its output (with the deltas since
@@ -183,7 +190,8 @@ class Engine:
             )  # fmt: skip
         except SequenceRejected as exc:
             raise RequestRejected(str(exc)) from exc
-        completions = [new_completion(i, ids, params, self.tokenizer) for i in range(params.n)]
+        tok = self.tokenizer if render_text or not text_read_later(params) else None
+        completions = [new_completion(i, ids, params, tok) for i in range(params.n)]
         req = RequestState(
             request_id, text, ids, params, completions, time.monotonic(), stream=stream,
             greedy=plain_greedy(params) and grammar is None,

@@ -26,7 +26,9 @@ uses, answered from what the child last reported, never by a round trip:
   output are not (they come with the step that made them).
 - ``free_capacity``, ``num_waiting``: the child's last report, corrected for the requests added
   since; ``heartbeat_stats`` and ``unstarted`` ask the child and wait for its next report.
-- Text and chat prompts are tokenized here (the pretokenize pool), with the model's tokenizer.
+- Text and chat prompts are tokenized here (the pretokenize pool), with the model's tokenizer,
+  and the outputs' text is rendered here from their token ids where the engine does not need it
+  (:mod:`worker.output_text`: no stop strings, no grammar), off the child's stepping thread.
 
 Prefix-aware admission probes the child's pool through :class:`PoolView`: answers a step or so
 old. Structured-output constraints compile in the child, on its stepping thread.
@@ -52,9 +54,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pagedserve.params import SamplingParams
 from pagedserve.telemetry import EngineTelemetry
 from worker.model_source import resolve_model
 from worker.output_delta import DeltaEncoder, OutputDelta, merge
+from worker.output_text import OutputText, text_read_later
 from worker.outputs import (
     CompletionOutput,
     EngineConfig,
@@ -258,10 +262,10 @@ def _apply(eng: Engine, orders: list[tuple[Any, ...]], rep: Report, enc: DeltaEn
     stats = False
     for op, *args in orders:
         if op == "add":
-            rid, prompt, params, priority, messages = args
+            rid, prompt, params, priority, messages, render_text = args
             try:
                 eng.add_request(rid, prompt, params, priority=priority, messages=messages,
-                                stream=False)  # fmt: skip
+                                stream=False, render_text=render_text)  # fmt: skip
             except Exception as e:  # worded as the loop words an in-process refusal
                 rep.outputs.append(enc.encode(_refused(rid, refusal(e))))
         elif op == "abort":
@@ -326,6 +330,8 @@ class EngineProcess:
         except BaseException:
             self.proc.kill()
             raise
+        #: The outputs whose text is rendered here (None: the model has no tokenizer, no text).
+        self._text = OutputText(self.tokenizer) if self.tokenizer is not None else None
         self._inbox = Inbox(self.conn)
         self.config = cfg
         self.model_name = ready.model_name
@@ -377,7 +383,10 @@ class EngineProcess:
     ) -> None:
         if request_id in self._live:
             raise RequestRejected(f"request id {request_id!r} is already in use")
-        self._orders.append(("add", request_id, prompt, params, priority, messages))
+        here = self._text is not None and text_read_later(params or SamplingParams())
+        self._orders.append(("add", request_id, prompt, params, priority, messages, not here))
+        if here:
+            self._text.expect(request_id)  # type: ignore[union-attr]
         self._live[request_id] = None
         self._queued_adds += 1
 
@@ -387,6 +396,8 @@ class EngineProcess:
             return None
         self._orders.append(("abort", request_id))
         out = self._live.pop(request_id)
+        if self._text is not None:
+            self._text.forget(request_id)
         self._send_orders()  # now: with nothing left here, no step() would send it
         if out is not None:
             for c in out.outputs:
@@ -495,16 +506,23 @@ class EngineProcess:
         live = self._live
         for delta in rep.snapshots:
             if (rid := delta[0]) in live and not _stale(live[rid], delta):
-                live[rid] = merge(live[rid], delta)
+                live[rid] = self._merge(live[rid], delta)
         for delta in rep.outputs:
             if (rid := delta[0]) not in live or _stale(live[rid], delta):  # aborted meanwhile
                 continue
-            out = merge(live[rid], delta)
+            out = self._merge(live[rid], delta)
             if out.finished:
                 del live[rid]
             else:
                 live[rid] = out
             self._outputs.append(out)
+
+    def _merge(self, prev: RequestOutput | None, delta: OutputDelta) -> RequestOutput:
+        """The output ``delta`` encodes, its text rendered here where the child left it out."""
+        out = merge(prev, delta)
+        if self._text is not None:
+            self._text.render(prev, out)
+        return out
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the child (what it still runs is dropped: the loop handed it back)."""

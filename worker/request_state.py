@@ -89,6 +89,7 @@ class RequestState:
 def new_completion(
     index: int, prompt_ids: list[int], params: SamplingParams, tokenizer: object | None
 ) -> CompletionState:
+    """``tokenizer`` None: the completion's text stays empty (none, or rendered elsewhere)."""
     detok = None
     if tokenizer is not None:
         stop = list(params.stop)
