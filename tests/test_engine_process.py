@@ -85,6 +85,24 @@ def test_outputs_equal_the_in_process_engine(model_dir: Path, remote: EngineProc
     assert stats.tokens_generated == 30 and stats.pool is not None
 
 
+def test_steps_with_nothing_to_tell_send_no_report(
+    remote: EngineProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request alone for 60 steps (~1 ms each): reports come with its orders applied, its
+    first token, its end and the idle stats, and otherwise every ``REPORT_GAP_S`` (10 ms), not
+    at each step (61 reports before); what the loop reads from them is current at the end."""
+    reports: list[Report] = []
+    take = remote._take
+    monkeypatch.setattr(remote, "_take", lambda rep: (reports.append(rep), take(rep)))
+    remote.add_request("a", [4, 5, 6], SamplingParams(max_tokens=60, ignore_eos=True))
+    done = run_all(remote)
+    assert len(done["a"].outputs[0].token_ids) == 60
+    stats = remote.heartbeat_stats()
+    assert stats.tokens_generated == 60 and stats.running == 0
+    assert 2 <= len(reports) < 40, [(len(r.outputs), r.orders_done) for r in reports]
+    assert remote.free_capacity() == CFG.max_num_seqs and remote.num_waiting() == 0
+
+
 def test_refused_request_comes_back_as_an_error(remote: EngineProcess) -> None:
     remote.add_request("long", [1] * 600, GREEDY)  # longer than max_model_len 512
     remote.add_request("ok", [1, 2, 3], GREEDY)
