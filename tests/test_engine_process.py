@@ -18,7 +18,7 @@ from pagedserve.params import SamplingParams
 from pagedserve.schemas import JobStatus
 from tests.fixtures.workers import StartWorker, wait_for
 from worker.engine import Engine
-from worker.engine_process import EngineDied, EngineProcess, Inbox, Report, send_report
+from worker.engine_process import EngineDied, EngineProcess, Inbox, PoolView, Report, send_report
 from worker.outputs import EngineConfig, RequestOutput
 from worker.service_config import ServiceConfig
 
@@ -154,6 +154,27 @@ def test_prefix_admission_sees_the_childs_cached_blocks(remote: EngineProcess) -
     pool.lookup(*other[0])
     remote.heartbeat_stats()
     assert pool.lookup(*other[0]) is None  # a prefix the pool never held
+
+
+def test_the_pool_view_asks_again_about_a_cached_block_only_after_an_eviction() -> None:
+    """A block the child said is cached stays so until the child evicts something (it may move
+    to another block, not out of the cache); one it said is not cached may be any time."""
+    view = PoolView(num_blocks=64, block_size=16)
+    a, b = ("a", (1,) * 16), ("b", (2,) * 16)
+    assert view.lookup(*a) is None and view.lookup(*b) is None
+    assert sorted(view.asked) == ["a", "b"]
+    view.asked = {}  # (sent with the next orders)
+    view.take(3, {"a": 7, "b": None})
+    assert view.lookup(*a) == 7 and view.lookup(*b) is None
+    view.prefetch([a, b])
+    assert list(view.asked) == ["b"]  # a: cached, nothing evicted since
+    view.asked = {}
+    view.take(4, {"b": 9})  # the child evicted a block meanwhile
+    assert view.lookup(*a) == 7 and view.lookup(*b) == 9
+    assert list(view.asked) == ["a"]  # b was said cached at the new count
+    view.asked = {}
+    view.take(4, {"a": None})
+    assert view.lookup(*a) is None and list(view.asked) == ["a"]
 
 
 def test_admission_learns_a_whole_prefix_in_one_round_trip(remote: EngineProcess) -> None:
