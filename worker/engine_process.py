@@ -298,7 +298,7 @@ def _news(rep: Report, last: Report | None) -> bool:
         or rep.waiting != last.waiting
         or rep.evictions != last.evictions
         or rep.capacity > last.capacity
-        or (rep.capacity > 0) != (last.capacity > 0)
+        or last.capacity > 0 >= rep.capacity  # no room left: the loop stops claiming
     )
 
 

@@ -55,9 +55,6 @@ class OutputText:
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
 
-    def __contains__(self, request_id: object) -> bool:
-        return request_id in self._requests
-
     def __len__(self) -> int:
         return len(self._requests)
 
