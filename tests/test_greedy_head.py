@@ -143,8 +143,9 @@ def test_real_heads_tokens_match_on_its_hidden_states(
 
 
 def test_engine_generates_the_same_tokens_with_and_without_the_screen(
-    real_model: str, monkeypatch: pytest.MonkeyPatch
+    gemm: native_gemm.NativeGemm, real_model: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """(``gemm``: skipped where the screen is off, a CPU without AVX512-BF16.)"""
     calls = []
     screen = GreedyHead.tokens
 

@@ -18,6 +18,7 @@ from worker.model_runner import (
     resolve_kv_cache_dtype,
     resolve_weight_dtype,
 )
+from worker.models.layers import bf16_products_available
 from worker.outputs import EngineConfig
 
 
@@ -253,10 +254,10 @@ def _mixed_batch() -> SchedulerOutput:
 def _bf16_path_or_skip(path: str) -> None:
     """Skip where ``PAGEDSERVE_BF16_GEMM=<path>`` has nothing to run on this machine."""
     from kernels import gemm as native_gemm
-    from worker.models.layers import onednn_available
+    from worker.models.layers import onednn_bf16_available
 
-    if path == "onednn" and not onednn_available():
-        pytest.skip("this torch has no oneDNN linear")
+    if path == "onednn" and not onednn_bf16_available():
+        pytest.skip("no oneDNN bfloat16 linear in this torch on this CPU")
     lib = native_gemm.for_packing()
     if path == "native" and not (lib is not None and lib.bf16):
         pytest.skip("no bfloat16 C GEMM on this CPU (AVX512-BF16)")
@@ -368,7 +369,8 @@ def test_the_bfloat16_products_path_is_chosen_per_cpu(monkeypatch: pytest.Monkey
 
 def test_bfloat16_weights_are_a_cpu_mode_for_float32_models() -> None:
     """Clear errors for what the mode is not: a GPU or a bfloat16 model (use --dtype), an
-    unknown name; ``auto`` (the default) keeps the weights in the model's dtype."""
+    unknown name, a CPU without bfloat16 products (an AVX2-only one); ``auto`` (the default)
+    keeps the weights in the model's dtype."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert EngineConfig().weight_dtype == "auto"
     assert resolve_weight_dtype("auto", torch.float32, cpu) is None
@@ -379,6 +381,11 @@ def test_bfloat16_weights_are_a_cpu_mode_for_float32_models() -> None:
         resolve_weight_dtype("bfloat16", torch.bfloat16, cpu)
     with pytest.raises(ValueError, match="unsupported weight dtype"):
         resolve_weight_dtype("int4", torch.float32, cpu)
+    if bf16_products_available():
+        assert resolve_weight_dtype("bfloat16", torch.float32, cpu) == "bfloat16"
+    else:  # refused before any weight is packed (oneDNN raised mid-load here before)
+        with pytest.raises(ValueError, match="bfloat16 products, which this CPU lacks"):
+            resolve_weight_dtype("bfloat16", torch.float32, cpu)
     assert resolve_weight_dtype("int8", torch.float32, cpu) == "int8"
     with pytest.raises(ValueError, match="int8 is a CPU mode for float32 models"):
         resolve_weight_dtype("int8", torch.bfloat16, cuda)
@@ -423,6 +430,8 @@ def test_a_bfloat16_kv_cache_holds_twice_the_tokens_and_stays_close(make_tiny_mo
     k_half, k_base = half.kv_caches[0][0], base.kv_caches[0][0]
     written = k_base.flatten(0, 1)[:11].to(torch.bfloat16)  # slots 0-10 of the batch
     assert torch.equal(k_half.flatten(0, 1)[:11], written)  # rounded as torch rounds
+    if not bf16_products_available():  # (the weights' mode is refused: test below)
+        return
     both = ModelRunner(model_dir, EngineConfig(block_size=4, num_kv_blocks=8,
                                                kv_cache_dtype="bfloat16",
                                                weight_dtype="bfloat16"))  # fmt: skip

@@ -91,10 +91,11 @@ def resolve_weight_dtype(name: str, dtype: torch.dtype, device: torch.device) ->
                 "PAGEDSERVE_NATIVE_KERNELS not 0)"
             )
         return name
-    if not layers.onednn_available() and not layers.bf16_native():
+    if not layers.bf16_products_available():
         raise ValueError(
-            "--weight-dtype bfloat16 needs torch's oneDNN (mkldnn) linear or the C GEMM's "
-            "bfloat16 path (AVX512-BF16)"
+            "--weight-dtype bfloat16 needs bfloat16 products, which this CPU lacks: the C "
+            "GEMM's bfloat16 path (AVX512-BF16) or torch's oneDNN bfloat16 linear (AVX512BW/VL/"
+            "DQ or AVX-NE-CONVERT); use float32 weights or --weight-dtype int8"
         )
     return name
 

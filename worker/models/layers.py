@@ -9,6 +9,7 @@ weights are the checkpoint's separate matrices stacked along the output dimensio
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -32,6 +33,31 @@ _ONEDNN_REORDER = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
 def onednn_available() -> bool:
     """Whether this torch has oneDNN's linear (what packed and bfloat16 weights run through)."""
     return _ONEDNN_LINEAR is not None and _ONEDNN_REORDER is not None
+
+
+@functools.cache
+def onednn_bf16_available() -> bool:
+    """Whether oneDNN multiplies bfloat16 weights on this CPU (tried once on a small product).
+
+    Why a trial: torch's oneDNN takes bfloat16 only where the CPU has AVX512BW/VL/DQ or
+    AVX-NE-CONVERT; on an AVX2-only one (a Zen 3 EPYC) packing a weight raised "bf16 path needs
+    the cpu support ..." while the engine loaded, which killed the worker."""
+    if not onednn_available():
+        return False
+    try:
+        weight = _ONEDNN_REORDER(torch.ones(16, 16, dtype=torch.bfloat16))
+        x = torch.ones(8, 16, dtype=torch.bfloat16)
+        _ONEDNN_LINEAR(x, weight, None, "none", [], "")
+    except RuntimeError:
+        return False
+    return True
+
+
+def bf16_products_available() -> bool:
+    """Whether ``--weight-dtype bfloat16`` can run here: the C GEMM's bfloat16 path
+    (AVX512-BF16) or oneDNN's (:func:`onednn_bf16_available`)."""
+    lib = native_gemm.for_packing()
+    return (lib is not None and lib.bf16) or onednn_bf16_available()
 
 
 def _bucket_rows(m: int) -> int:
