@@ -68,8 +68,6 @@ def bf16_product(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]
     """``--bf16``: the engine's ``--weight-dtype bfloat16`` product through oneDNN
     (:class:`worker.models.layers.Bf16Weight`: AMX's ``brg_matmul`` where the CPU has it);
     None where this torch or CPU has no oneDNN bfloat16 linear."""
-    if not layers.onednn_bf16_available():
-        return None
     packed = layers.Bf16Weight.pack(weight, use_native=False)
     return None if packed is None else packed.matmul
 

@@ -386,6 +386,9 @@ def test_bfloat16_weights_are_a_cpu_mode_for_float32_models() -> None:
     else:  # refused before any weight is packed (oneDNN raised mid-load here before)
         with pytest.raises(ValueError, match="bfloat16 products, which this CPU lacks"):
             resolve_weight_dtype("bfloat16", torch.float32, cpu)
+        from worker.models.layers import Bf16Weight
+
+        assert Bf16Weight.pack(torch.ones(4, 4)) is None  # nothing to pack for, no raise
     assert resolve_weight_dtype("int8", torch.float32, cpu) == "int8"
     with pytest.raises(ValueError, match="int8 is a CPU mode for float32 models"):
         resolve_weight_dtype("int8", torch.bfloat16, cuda)

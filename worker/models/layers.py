@@ -124,15 +124,18 @@ class Bf16Weight:
     @classmethod
     def pack(cls, weight: torch.Tensor, use_native: bool | None = None) -> Bf16Weight | None:
         """Through the C GEMM where ``use_native`` (default: :func:`bf16_native`) and the input
-        width is even, else oneDNN; None where this torch has no oneDNN linear either. On a CPU
-        whose C GEMM has the AMX path, a width off its 32-wide steps goes to oneDNN (its AMX
-        kernels), not to ``vdpbf16ps`` (~200 GFLOP/s there, against 400-1800)."""
+        width is even, else oneDNN; None where neither can (no oneDNN bfloat16 linear in this
+        torch or on this CPU: :func:`onednn_bf16_available`). On a CPU whose C GEMM has the AMX
+        path, a width off its 32-wide steps goes to oneDNN (its AMX kernels), not to
+        ``vdpbf16ps`` (~200 GFLOP/s there, against 400-1800)."""
         use_native = bf16_native() if use_native is None else use_native
         lib = native_gemm.load() if use_native else None
         width = weight.shape[1]
         off_tiles = lib is not None and lib.amx and not lib.tiles_take(width)
         if lib is not None and lib.bf16 and width % 2 == 0 and not off_tiles:
             return cls(panels=lib.pack_bf16(weight))
+        if not onednn_bf16_available():
+            return None
         packed = pack_for_onednn(weight.detach().to(torch.bfloat16))
         return None if packed is None else cls(packed=packed)
 
