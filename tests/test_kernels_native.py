@@ -316,17 +316,25 @@ def test_tiled_prefill_large_scores_and_env_switch(monkeypatch: pytest.MonkeyPat
 
 @needs_compiler
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), SHAPES)
+@pytest.mark.parametrize("lens", [[333], [333, 16], [333, 16, 70]])
 def test_fewer_rows_than_threads_split_by_head(
-    num_heads: int, num_kv_heads: int, head_dim: int
+    num_heads: int, num_kv_heads: int, head_dim: int, lens: list[int]
 ) -> None:
-    """Too few rows for the threads: a task per (row, KV head), whose prefetches cover only its
-    KV head's span of each token row (the other path of the kernel's prefetch cursor)."""
+    """Fewer rows than threads: each row split into runs of consecutive KV heads (up to one
+    per thread, as many as the row has KV heads: 1-3 rows on 4 threads make parts of 1-4 KV
+    heads, some of unequal sizes), whose prefetches cover only their span of each token row
+    (the other path of the kernel's prefetch cursor)."""
     batch = make_batch(
-        [1, 1, 1], [333, 16, 70], num_heads=num_heads, num_kv_heads=num_kv_heads,
+        [1] * len(lens), lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
         head_dim=head_dim, block_size=16,
     )  # fmt: skip
-    backend = TorchBackend(native=True)
-    run_and_compare(batch, backend=backend)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)  # the kernel takes torch's thread count at each call
+    try:
+        backend = TorchBackend(native=True)
+        run_and_compare(batch, backend=backend)
+    finally:
+        torch.set_num_threads(threads)
     assert native_plans(backend) == [True]
 
 

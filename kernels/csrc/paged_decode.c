@@ -22,6 +22,9 @@
  * 2 threads, K/V from DRAM) the version without either read ~10 GB/s; this one reads 19-24 GB/s
  * for 8/4 and 9/3 heads of 64, 0.58-0.85 of a contiguous read (9/3 the lowest: there it runs
  * at ~0.8 of a plain sum over the same blocks, its compute and its misses barely overlapping).
+ * Since, AVX2 builds take up to 3 heads of one KV head per pass for head_dim 64 (ps_scores4xn,
+ * ps_values_halves): 1.04-1.17x for 9/3 heads, 0.97-1.15x for 8/4 there, 0.88-0.91 of the
+ * blocks' plain sum for 9/3 at 48-64 rows.
  * On a Zen 4 EPYC (2 threads, K/V from DRAM; bench/README.md): 24-29 GB/s of K/V for 8/4 and 9/3
  * heads of 64, 0.96-1.0 of a plain sum over the same scattered blocks, 0.73-0.83 of a contiguous
  * read when the machine reads ~30-35 GB/s, 0.49-0.58 when it reads ~45-50 (the blocks' sum
@@ -189,6 +192,72 @@ static inline __attribute__((always_inline)) void ps_scores8xn(
     }
 }
 
+#if PS_WIDE_LANES == 8
+typedef float v4sf __attribute__((vector_size(16)));
+typedef float v4sf_u __attribute__((vector_size(16), aligned(4)));
+
+/* Lane j of the result: the sum of the 8 lanes of p[j], j < 4. */
+static inline v4sf ps_hsum4(const v8sf p[4]) {
+    v8sf u[2];
+    for (int j = 0; j < 2; ++j)
+        u[j] = __builtin_shufflevector(p[2 * j], p[2 * j + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+               __builtin_shufflevector(p[2 * j], p[2 * j + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+    const v8sf w = __builtin_shufflevector(u[0], u[1], 0, 1, 8, 9, 4, 5, 12, 13) +
+                   __builtin_shufflevector(u[0], u[1], 2, 3, 10, 11, 6, 7, 14, 15);
+    return __builtin_shufflevector(w, w, 0, 1, 2, 3) + __builtin_shufflevector(w, w, 4, 5, 6, 7);
+}
+
+/* AVX2 (16 vector registers): scores of 8 consecutive tokens for n <= 3 heads of one KV head,
+ * 4 tokens at a time. n * 4 accumulators, n query vectors and the key vector fit the 16
+ * registers, so each key vector is loaded once for all n heads; ps_scores8xn's n * 8
+ * accumulators would spill past 2 heads (AVX2 took one head per pass for GQA 3 before: every
+ * key loaded three times from L1). Takes ps_pf's steps at the rate ps_scores8xn does. */
+static inline __attribute__((always_inline)) void ps_scores4xn(
+    const float (*q)[PS_MAX_HEAD_DIM], const int n, const ps_kv_t *k, int64_t token_stride,
+    const int64_t D, float (*s)[PS_MAX_BLOCK], int64_t c, ps_pf *pf) {
+    for (int half = 0; half < 8; half += 4) {
+        v8sf p[3][4];
+        for (int i = 0; i < n; ++i)
+            for (int j = 0; j < 4; ++j) p[i][j] = ps_splat(0.0f);
+        for (int64_t d = 0; d < D; d += PS_LANES) {
+            v8sf qv[3];
+            for (int i = 0; i < n; ++i) qv[i] = ps_load(q[i] + d);
+            for (int j = 0; j < 4; ++j) {
+                if (((d / PS_LANES) * 4 + j) % PS_PF_EVERY == 0) ps_pf_step(pf);
+                const v8sf kv = ps_kv_load8(k + (half + j) * token_stride + d);
+                for (int i = 0; i < n; ++i) p[i][j] += qv[i] * kv;
+            }
+        }
+        for (int i = 0; i < n; ++i) *(v4sf_u *)&s[i][c + half] = ps_hsum4(p[i]);
+    }
+}
+
+/* AVX2: value sums over tokens [t0, t1) of a block for n <= 3 heads of one KV head, head_dim
+ * 64, one half of the head at a time: 3 x 4 accumulators, 3 weights and the value vector fit
+ * the 16 registers, so each value vector is loaded once for the n heads (a whole-head tile
+ * holds 2 heads at most there). */
+static inline __attribute__((always_inline)) void ps_values_halves(
+    float (*acc)[PS_MAX_HEAD_DIM], const float (*s)[PS_MAX_BLOCK], const int n,
+    const ps_kv_t *vh, ps_pf *pf, int64_t token_stride, int64_t t0, int64_t t1) {
+    for (int h = 0; h < 2; ++h) {
+        v8sf a[3][4];
+        for (int i = 0; i < n; ++i)
+            for (int j = 0; j < 4; ++j) a[i][j] = ps_load(&acc[i][(4 * h + j) * PS_LANES]);
+        for (int64_t t = t0; t < t1; ++t) {
+            v8sf w[3];
+            for (int i = 0; i < n; ++i) w[i] = ps_splat(s[i][t]);
+            for (int j = 0; j < 4; ++j) {
+                if ((4 * h + j) % PS_PF_EVERY == 0) ps_pf_step(pf);
+                const v8sf v = ps_kv_load8(vh + t * token_stride + (4 * h + j) * PS_LANES);
+                for (int i = 0; i < n; ++i) a[i][j] += w[i] * v;
+            }
+        }
+        for (int i = 0; i < n; ++i)
+            for (int j = 0; j < 4; ++j) *(v8sf_u *)&acc[i][(4 * h + j) * PS_LANES] = a[i][j];
+    }
+}
+#endif
+
 /* Asks for the cache lines of rows [0, n) of a block (rows token_stride floats apart), floats
  * [off, off + len) of each row, to be brought into L1 ahead of use (64-byte lines).
  *
@@ -241,7 +310,15 @@ static inline __attribute__((always_inline)) void ps_values_tile(
  * cursor at run time kept it out of registers (0.70x for 14/2 heads). */
 static inline __attribute__((always_inline)) void ps_scores_pass(
     const float (*q)[PS_MAX_HEAD_DIM], const int64_t n, const ps_kv_t *k, int64_t token_stride,
-    const int64_t D, float (*s)[PS_MAX_BLOCK], int64_t c, ps_pf *pf) {
+    const int64_t D, float (*s)[PS_MAX_BLOCK], int64_t c, ps_pf *pf, const int halves) {
+#if PS_WIDE_LANES == 8
+    if (halves) {
+        if (n == 3) ps_scores4xn(q, 3, k, token_stride, D, s, c, pf);
+        else if (n == 2) ps_scores4xn(q, 2, k, token_stride, D, s, c, pf);
+        else ps_scores4xn(q, 1, k, token_stride, D, s, c, pf);
+        return;
+    }
+#endif
     if (PS_SCORE_HEADS >= 3 && n == 3) /* never on AVX2 (SH <= 2) */
         ps_scores8xn(q, 3, k, token_stride, D, s, c, pf);
     else if (n == 2) ps_scores8xn(q, 2, k, token_stride, D, s, c, pf);
@@ -250,7 +327,16 @@ static inline __attribute__((always_inline)) void ps_scores_pass(
 
 static inline __attribute__((always_inline)) void ps_values_pass(
     float (*acc)[PS_MAX_HEAD_DIM], const float (*s)[PS_MAX_BLOCK], const int64_t n, const int DV,
-    const ps_kv_t *vh, ps_pf *pf, int64_t token_stride, int64_t t0, int64_t t1) {
+    const ps_kv_t *vh, ps_pf *pf, int64_t token_stride, int64_t t0, int64_t t1,
+    const int halves) {
+#if PS_WIDE_LANES == 8
+    if (halves) {
+        if (n == 3) ps_values_halves(acc, s, 3, vh, pf, token_stride, t0, t1);
+        else if (n == 2) ps_values_halves(acc, s, 2, vh, pf, token_stride, t0, t1);
+        else ps_values_halves(acc, s, 1, vh, pf, token_stride, t0, t1);
+        return;
+    }
+#endif
     if (n == 4) ps_values_tile(acc, s, 4, DV, vh, pf, token_stride, t0, t1);
     else if (n == 3) ps_values_tile(acc, s, 3, DV, vh, pf, token_stride, t0, t1);
     else if (n == 2) ps_values_tile(acc, s, 2, DV, vh, pf, token_stride, t0, t1);
@@ -272,12 +358,15 @@ static inline __attribute__((always_inline)) void ps_decode_row_impl(
     float alpha[PS_MAX_HEADS] __attribute__((aligned(32)));
     const int64_t nh = h1 - h0;
     const int64_t G_task = nh < G ? nh : G; /* heads of the task sharing one KV head */
-    /* heads per score pass (sharing each key load); AVX2 keeps pairs for GQA 2 only */
-    const int64_t SH = PS_WIDE_LANES == 16 ? PS_SCORE_HEADS : (G == 2 ? 2 : 1);
     /* value tiles: a compiled shape whose head fits 8 wide vectors, up to 16 accumulators */
     const int64_t DV = D / PS_WIDE_LANES;
     const int TILED = compiled && D % PS_WIDE_LANES == 0 && DV <= 8;
-    const int64_t TH = TILED ? (16 / DV < 4 ? 16 / DV : 4) : 1;
+    /* AVX2, head_dim 64: up to 3 heads per pass in both phases, 4 tokens or half a head at a
+     * time (ps_scores4xn, ps_values_halves); SH: heads per score pass (sharing each key load),
+     * elsewhere on AVX2 pairs for GQA 2 only; TH: heads per value tile */
+    const int HALVES = PS_WIDE_LANES == 8 && TILED && DV == 8;
+    const int64_t SH = HALVES ? 3 : PS_WIDE_LANES == 16 ? PS_SCORE_HEADS : (G == 2 ? 2 : 1);
+    const int64_t TH = HALVES ? 3 : TILED ? (16 / DV < 4 ? 16 / DV : 4) : 1;
 
     const float *qrow = a->query + a->token_rows[r] * a->query_row_stride;
     for (int64_t i = 0; i < nh; ++i) {
@@ -329,8 +418,9 @@ static inline __attribute__((always_inline)) void ps_decode_row_impl(
                 for (int64_t g = 0; g < G_task; g += SH) {
                     const int64_t n = G_task - g < SH ? G_task - g : SH;
                     const ps_kv_t *kh = kc + ((h0 + i) / G) * D;
-                    if (g == 0) ps_scores_pass(q + i, n, kh, token_stride, D, s + i, c, &pf);
-                    else ps_scores_pass(q + i + g, n, kh, token_stride, D, s + i + g, c, 0);
+                    const int H = HALVES;
+                    if (g == 0) ps_scores_pass(q + i, n, kh, token_stride, D, s + i, c, &pf, H);
+                    else ps_scores_pass(q + i + g, n, kh, token_stride, D, s + i + g, c, 0, H);
                 }
         }
         if (!has_next && next_row >= 0) { /* the row's last block: the next row's first */
@@ -391,8 +481,9 @@ static inline __attribute__((always_inline)) void ps_decode_row_impl(
                     const int64_t n = G_task - g < TH ? G_task - g : TH;
                     float(*ac)[PS_MAX_HEAD_DIM] = acc + i + g;
                     const float(*sc)[PS_MAX_BLOCK] = (const float(*)[PS_MAX_BLOCK])(s + i + g);
-                    if (g == 0) ps_values_pass(ac, sc, n, DV, vh, &pf, token_stride, t0, t1);
-                    else ps_values_pass(ac, sc, n, DV, vh, 0, token_stride, t0, t1);
+                    const int H = HALVES;
+                    if (g == 0) ps_values_pass(ac, sc, n, DV, vh, &pf, token_stride, t0, t1, H);
+                    else ps_values_pass(ac, sc, n, DV, vh, 0, token_stride, t0, t1, H);
                 }
             }
         } else {
@@ -451,24 +542,38 @@ int PS_KV_FN(ps_decode_attention)(const ps_decode_args *a) {
     if (a->start_out)
         for (int64_t r = 0; r < a->num_rows; ++r)
             if (a->start_slot[r] >= a->start_rows) return -1;
-    /* A task is a row (all heads), or a row's KV-head group when there are too few rows to
-     * keep every thread busy. Dynamic scheduling evens out rows of different lengths. */
-    const int64_t split = a->num_rows >= 4 * (int64_t)a->num_threads ? 1 : a->num_kv_heads;
+    /* A task is a row (all heads), or, with fewer rows than threads, a part of a row: one of
+     * `split` runs of consecutive KV heads, as many parts as it takes to give every thread
+     * one. Dynamic scheduling evens out rows of different lengths. Why whole rows down to one
+     * per thread (the split began below 4 rows per thread, a task per KV head): a part reads a
+     * span of every token row, strided, which the hardware prefetchers and the next block's
+     * requests cover poorly; whole rows read 1.23-1.7x as fast at 2-7 rows on 2 threads, even
+     * of unequal lengths (a Zen 3 EPYC, K/V from DRAM; bench/README.md). */
+    const int64_t threads = a->num_threads, kv = a->num_kv_heads, G = a->num_heads / kv;
+    int64_t split = 1;
+    if (a->num_rows < threads) {
+        split = (threads + a->num_rows - 1) / a->num_rows;
+        if (split > kv) split = kv;
+    }
     const int64_t tasks = a->num_rows * split;
-    const int64_t heads_per_task = a->num_heads / split;
-    /* Each thread takes its next task before it starts the current one, so that (for whole
-     * rows) the current row's last block can ask for the next row's first one: without that,
-     * every row began with a block's worth of misses in a row (1/16 of a 256-token row). */
+    /* A thread working on whole rows takes its next one before it starts the current one, so
+     * that the current row's last block can ask for the next row's first: without that, every
+     * row began with a block's worth of misses in a row (1/16 of a 256-token row). Only while
+     * more rows are left than the threads could be holding: at the tail a row taken ahead
+     * would wait for its thread while another thread had nothing (with few rows, one thread
+     * could take two of them before a second one had started). */
     int64_t taken = 0;
 #pragma omp parallel num_threads(a->num_threads)
     {
         int64_t cur = __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED);
         while (cur < tasks) {
-            const int64_t nxt = __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED);
-            const int64_t h0 = (cur % split) * heads_per_task;
-            const int64_t next_row = split == 1 && nxt < tasks ? nxt : -1;
-            ps_decode_row(a, cur / split, h0, h0 + heads_per_task, next_row);
-            cur = nxt;
+            int64_t nxt = -1;
+            if (split == 1 && tasks - __atomic_load_n(&taken, __ATOMIC_RELAXED) > threads)
+                nxt = __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED);
+            const int64_t part = cur % split; /* KV heads [kv * part / split, ...) */
+            const int64_t h0 = kv * part / split * G, h1 = kv * (part + 1) / split * G;
+            ps_decode_row(a, cur / split, h0, h1, nxt < tasks ? nxt : -1);
+            cur = nxt >= 0 ? nxt : __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED);
         }
     }
     return 0;
