@@ -4,11 +4,13 @@ float64 dense reference. The whole torch-backend suite also runs through it
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -314,27 +316,36 @@ def test_tiled_prefill_large_scores_and_env_switch(monkeypatch: pytest.MonkeyPat
     assert prefill_plan(off).prefill is None and prefill_plan(off).rows.num_rows == 51
 
 
+@contextlib.contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    """torch's thread count (the kernel takes it at each call) set to ``n`` (None: as it is)."""
+    before = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @needs_compiler
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), SHAPES)
-@pytest.mark.parametrize("lens", [[333], [333, 16], [333, 16, 70]])
-def test_fewer_rows_than_threads_split_by_head(
-    num_heads: int, num_kv_heads: int, head_dim: int, lens: list[int]
+@pytest.mark.parametrize(("lens", "window"), [([333], None), ([333, 16], None),
+                                              ([333, 16, 70], None), ([333, 40], 100)])  # fmt: skip
+def test_fewer_rows_than_threads_split_into_runs_of_blocks(
+    num_heads: int, num_kv_heads: int, head_dim: int, lens: list[int], window: int | None
 ) -> None:
-    """Fewer rows than threads: each row split into runs of consecutive KV heads (up to one
-    per thread, as many as the row has KV heads: 1-3 rows on 4 threads make parts of 1-4 KV
-    heads, some of unequal sizes), whose prefetches cover only their span of each token row
-    (the other path of the kernel's prefetch cursor)."""
+    """Fewer rows than threads (1-3 rows on 4 threads): each row's blocks cut into up to
+    ceil(threads / rows) runs (fewer where a row has fewer blocks: a 16-token row is one), each
+    attended into scratch and merged by log-sum-exp; with a window, runs of the blocks it
+    covers."""
     batch = make_batch(
         [1] * len(lens), lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
         head_dim=head_dim, block_size=16,
     )  # fmt: skip
-    threads = torch.get_num_threads()
-    torch.set_num_threads(4)  # the kernel takes torch's thread count at each call
-    try:
+    with torch_threads(4):
         backend = TorchBackend(native=True)
-        run_and_compare(batch, backend=backend)
-    finally:
-        torch.set_num_threads(threads)
+        run_and_compare(batch, sliding_window=window, backend=backend)
     assert native_plans(backend) == [True]
 
 
@@ -348,8 +359,10 @@ def test_large_scores_underflow_cleanly() -> None:
 
 
 @needs_compiler
-def test_log_sum_exp_output() -> None:
-    """The kernel's lse is what the shared-prefix merge relies on: check it directly."""
+@pytest.mark.parametrize("threads", [None, 8])
+def test_log_sum_exp_output(threads: int | None) -> None:
+    """The kernel's lse is what the shared-prefix merge relies on: check it directly (also as
+    merged from runs of each row's blocks: 4 rows on 8 threads)."""
     lib = native.load()
     assert lib is not None
     s_lens = [5, 16, 17, 90]
@@ -363,8 +376,9 @@ def test_log_sum_exp_output() -> None:
     out = torch.empty_like(batch.query)
     lse = torch.empty(4, 4)
     scale = 32**-0.5
-    lib.decode(batch.query, batch.k_cache, batch.v_cache, batch.meta.block_tables, rows, scale,
-               None, out, lse)  # fmt: skip
+    with torch_threads(threads):
+        lib.decode(batch.query, batch.k_cache, batch.v_cache, batch.meta.block_tables, rows,
+                   scale, None, out, lse)  # fmt: skip
     table = batch.meta.block_tables.tolist()
     flat_k = batch.k_cache.double().view(-1, 2, 32)
     for r, b in enumerate([3, 2, 1, 0]):
@@ -448,9 +462,12 @@ def test_shared_prefixes_in_the_tiled_kernel(
 
 
 @needs_compiler
-def test_decode_rows_continue_a_prefix_result() -> None:
+@pytest.mark.parametrize("threads", [None, 8])
+def test_decode_rows_continue_a_prefix_result(threads: int | None) -> None:
     """A decode row given its prefix's (out, lse) and reading only its own blocks returns the
-    attention over the whole context; a row with slot -1 starts empty; bad starts are refused."""
+    attention over the whole context; a row with slot -1 starts empty; bad starts are refused.
+    On 8 threads the rows' blocks go in runs: only each row's first run starts from the
+    prefix."""
     lib = native.load()
     assert lib is not None
     s_lens = [70, 90, 33]
@@ -477,8 +494,9 @@ def test_decode_rows_continue_a_prefix_result() -> None:
     )  # fmt: skip
     out = torch.empty_like(batch.query)
     lse = torch.empty(3, 6)
-    lib.decode(batch.query, batch.k_cache, batch.v_cache, table, rows, scale, None, out, lse,
-               start)  # fmt: skip
+    with torch_threads(threads):
+        lib.decode(batch.query, batch.k_cache, batch.v_cache, table, rows, scale, None, out,
+                   lse, start)  # fmt: skip
     torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-4)
     bad = native.PrefixStart(start.out, start.lse, torch.tensor([2, 0, -1]))  # slot 2 of 2
     with pytest.raises(ValueError, match="native decode"):

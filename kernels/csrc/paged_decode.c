@@ -5,9 +5,9 @@
  * Why this exists: in plain torch, decode attention over a paged cache has to gather each
  * sequence's scattered blocks into a buffer before a batched attention call can read them, so
  * every cached byte is read twice and written once per layer. Here each decode row (all its
- * heads; or one KV-head group per task when rows are too few to keep the threads busy) walks its
+ * heads; or runs of its blocks, merged after, when there are fewer rows than threads) walks its
  * block table and reads each key and value exactly once, with an online softmax (running max
- * and sum, rescaled per block, in phases over all heads of the task), and asks for the next
+ * and sum, rescaled per block, in phases over all heads), and asks for the next
  * block's lines a few at a time while it loads the current one's (and, at a row's last block,
  * for the next row's first). Common shapes (head_dim 64
  * with GQA 2, 3 or 7, head_dim 128 / GQA 4, block 16) are compiled with constant sizes: heads of
@@ -43,6 +43,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "ps_kv.h"
@@ -102,9 +103,8 @@ typedef struct {
 #define PS_PF_EVERY (2 * PS_KV_LINE / PS_WIDE_LANES) /* wide vectors in two 64-byte lines */
 typedef struct {
     const ps_kv_t *k, *v; /* the next block's keys and values (NULL: none) */
-    int64_t o, d;       /* offset of the next line; elements into the current row's span */
-    int64_t len, skip;  /* the span of each token row asked for; the rest of the row */
-    int64_t end;        /* one past the last line */
+    int64_t o;            /* offset of the next line */
+    int64_t end;          /* one past the last line */
 } ps_pf;
 
 static inline __attribute__((always_inline)) void ps_pf_step(ps_pf *p) {
@@ -112,13 +112,6 @@ static inline __attribute__((always_inline)) void ps_pf_step(ps_pf *p) {
     __builtin_prefetch(p->k + p->o, 0, 2);
     __builtin_prefetch(p->v + p->o, 0, 2);
     p->o += PS_KV_LINE;
-    if (p->skip) { /* a task of some of the KV heads: only their span of each token row */
-        p->d += PS_KV_LINE;
-        if (p->d >= p->len) {
-            p->d = 0;
-            p->o += p->skip;
-        }
-    }
 }
 
 static inline v8sf ps_load(const float *p) { return *(const v8sf_u *)p; }
@@ -343,11 +336,21 @@ static inline __attribute__((always_inline)) void ps_values_pass(
     else ps_values_tile(acc, s, 1, DV, vh, pf, token_stride, t0, t1);
 }
 
-/* One decode row, heads h0..h1-1: each block's keys (then values) are one contiguous
- * block_size * num_kv_heads * head_dim run, read front to back once. */
+/* Which of a row's blocks a task attends, and where it writes: blocks [b0, b1) counted from
+ * the first block the row reads (b1 past the end: to its end); out / lse: a scratch row
+ * ([num_heads, head_dim] and [num_heads]) for a run merged afterwards (ps_decode_split), or
+ * NULL for the row's own output. Only the run with b0 == 0 continues a shared prefix. */
+typedef struct {
+    int64_t b0, b1;
+    float *out, *lse;
+} ps_part;
+
+/* One decode row (all its heads), or a run of its blocks (part): each block's keys (then
+ * values) are one contiguous block_size * num_kv_heads * head_dim run, read front to back
+ * once. */
 static inline __attribute__((always_inline)) void ps_decode_row_impl(
-    const ps_decode_args *a, int64_t r, int64_t h0, int64_t h1, int64_t next_row,
-    const int64_t D, const int64_t G, const int64_t BS, const int compiled) {
+    const ps_decode_args *a, int64_t r, int64_t next_row, const ps_part *part, const int64_t D,
+    const int64_t G, const int64_t BS, const int compiled) {
     const int64_t token_stride = a->num_kv_heads * D;
     float q[PS_MAX_HEADS][PS_MAX_HEAD_DIM] __attribute__((aligned(32)));
     float acc[PS_MAX_HEADS][PS_MAX_HEAD_DIM] __attribute__((aligned(32)));
@@ -356,8 +359,7 @@ static inline __attribute__((always_inline)) void ps_decode_row_impl(
     float m[PS_MAX_HEADS] __attribute__((aligned(32))), l[PS_MAX_HEADS];
     float newm[PS_MAX_HEADS] __attribute__((aligned(32)));
     float alpha[PS_MAX_HEADS] __attribute__((aligned(32)));
-    const int64_t nh = h1 - h0;
-    const int64_t G_task = nh < G ? nh : G; /* heads of the task sharing one KV head */
+    const int64_t nh = a->num_heads;
     /* value tiles: a compiled shape whose head fits 8 wide vectors, up to 16 accumulators */
     const int64_t DV = D / PS_WIDE_LANES;
     const int TILED = compiled && D % PS_WIDE_LANES == 0 && DV <= 8;
@@ -371,17 +373,17 @@ static inline __attribute__((always_inline)) void ps_decode_row_impl(
     const float *qrow = a->query + a->token_rows[r] * a->query_row_stride;
     for (int64_t i = 0; i < nh; ++i) {
         for (int64_t d = 0; d < D; ++d) {
-            q[i][d] = qrow[(h0 + i) * D + d] * a->scale;
+            q[i][d] = qrow[i * D + d] * a->scale;
             acc[i][d] = 0.0f;
         }
         l[i] = 0.0f;
     }
     const int64_t nh_lanes = (nh + PS_LANES - 1) / PS_LANES * PS_LANES;
     for (int64_t i = 0; i < nh_lanes; ++i) m[i] = newm[i] = -INFINITY; /* pad lanes unused */
-    const int64_t slot = a->start_out ? a->start_slot[r] : -1;
+    const int64_t slot = a->start_out && part->b0 == 0 ? a->start_slot[r] : -1;
     if (slot >= 0) { /* continue the shared prefix's softmax: weights relative to its lse */
-        const float *so = a->start_out + (slot * a->num_heads + h0) * D;
-        const float *sl = a->start_lse + slot * a->num_heads + h0;
+        const float *so = a->start_out + slot * nh * D;
+        const float *sl = a->start_lse + slot * nh;
         for (int64_t i = 0; i < nh; ++i) {
             for (int64_t d = 0; d < D; ++d) acc[i][d] = so[i * D + d];
             l[i] = 1.0f;
@@ -394,7 +396,10 @@ static inline __attribute__((always_inline)) void ps_decode_row_impl(
     if (a->window > 0 && last - a->window + 1 > lo) lo = last - a->window + 1;
     const int32_t *table = a->block_tables + a->seq_index[r] * a->block_table_stride;
 
-    for (int64_t b = lo / BS; b * BS <= last; ++b) {
+    /* this part's blocks: [b_from, b_to) of the row's [lo / BS, last / BS] */
+    const int64_t b_from = lo / BS + part->b0;
+    const int64_t b_to = part->b1 < last / BS + 1 - lo / BS ? lo / BS + part->b1 : last / BS + 1;
+    for (int64_t b = b_from; b < b_to; ++b) {
         const int64_t base = b * BS;
         const int64_t t0 = lo > base ? lo - base : 0;                      /* first valid */
         const int64_t t1 = last - base + 1 < BS ? last - base + 1 : BS;   /* one past last */
@@ -403,21 +408,19 @@ static inline __attribute__((always_inline)) void ps_decode_row_impl(
         const ps_kv_t *kb = a->k_cache + block_off;
         const ps_kv_t *vb = a->v_cache + block_off;
         /* the next block's keys and values, requested while this block is computed */
-        const int has_next = (b + 1) * BS <= last;
+        const int has_next = b + 1 < b_to;
         const int64_t next_off = has_next ? (int64_t)table[b + 1] * BS * token_stride : 0;
-        const int64_t pf_off = (h0 / G) * D, pf_len = ((h1 - 1) / G + 1 - h0 / G) * D;
         const int64_t next_rows = last - (b + 1) * BS + 1 < BS ? last - (b + 1) * BS + 1 : BS;
-        ps_pf pf = {a->k_cache + next_off, a->v_cache + next_off, pf_off, 0, pf_len,
-                    token_stride - pf_len,
-                    has_next ? (next_rows - 1) * token_stride + pf_off + pf_len : 0};
+        ps_pf pf = {a->k_cache + next_off, a->v_cache + next_off, 0,
+                    has_next ? next_rows * token_stride : 0};
         /* scores, walking the block's keys front to back: 8 tokens (8 rows) at a time, every
          * head of the task against them while they are in L1 */
         for (int64_t c = c0; c < c1; c += PS_LANES) {
             const ps_kv_t *kc = kb + c * token_stride;
-            for (int64_t i = 0; i < nh; i += G_task)
-                for (int64_t g = 0; g < G_task; g += SH) {
-                    const int64_t n = G_task - g < SH ? G_task - g : SH;
-                    const ps_kv_t *kh = kc + ((h0 + i) / G) * D;
+            for (int64_t i = 0; i < nh; i += G)
+                for (int64_t g = 0; g < G; g += SH) {
+                    const int64_t n = G - g < SH ? G - g : SH;
+                    const ps_kv_t *kh = kc + (i / G) * D;
                     const int H = HALVES;
                     if (g == 0) ps_scores_pass(q + i, n, kh, token_stride, D, s + i, c, &pf, H);
                     else ps_scores_pass(q + i + g, n, kh, token_stride, D, s + i + g, c, 0, H);
@@ -475,10 +478,10 @@ static inline __attribute__((always_inline)) void ps_decode_row_impl(
         }
         /* values, front to back: each value vector is loaded once for its group of heads */
         if (TILED) { /* the compiled shapes: accumulators in registers, a tile at a time */
-            for (int64_t i = 0; i < nh; i += G_task) {
-                const ps_kv_t *vh = vb + ((h0 + i) / G) * D;
-                for (int64_t g = 0; g < G_task; g += TH) {
-                    const int64_t n = G_task - g < TH ? G_task - g : TH;
+            for (int64_t i = 0; i < nh; i += G) {
+                const ps_kv_t *vh = vb + (i / G) * D;
+                for (int64_t g = 0; g < G; g += TH) {
+                    const int64_t n = G - g < TH ? G - g : TH;
                     float(*ac)[PS_MAX_HEAD_DIM] = acc + i + g;
                     const float(*sc)[PS_MAX_BLOCK] = (const float(*)[PS_MAX_BLOCK])(s + i + g);
                     const int H = HALVES;
@@ -489,12 +492,12 @@ static inline __attribute__((always_inline)) void ps_decode_row_impl(
         } else {
             for (int64_t t = t0; t < t1; ++t) {
                 const ps_kv_t *vrow = vb + t * token_stride;
-                for (int64_t i = 0; i < nh; i += G_task) {
-                    const ps_kv_t *vh = vrow + ((h0 + i) / G) * D;
+                for (int64_t i = 0; i < nh; i += G) {
+                    const ps_kv_t *vh = vrow + (i / G) * D;
                     for (int64_t d = 0; d < D; d += PS_LANES) {
                         if (d % (2 * PS_KV_LINE) == 0) ps_pf_step(&pf); /* per two lines */
                         const v8sf v = ps_kv_load8(vh + d);
-                        for (int64_t g = 0; g < G_task; ++g)
+                        for (int64_t g = 0; g < G; ++g)
                             *(v8sf *)&acc[i + g][d] += ps_splat(s[i + g][t]) * v;
                     }
                 }
@@ -503,25 +506,99 @@ static inline __attribute__((always_inline)) void ps_decode_row_impl(
         while (pf.o < pf.end) ps_pf_step(&pf); /* whatever the block's loads left */
     }
 
-    float *orow = a->out + a->token_rows[r] * a->out_row_stride;
-    for (int64_t i = 0; i < nh; ++i) {
-        const int64_t h = h0 + i;
-        const float inv = 1.0f / l[i];
-        for (int64_t d = 0; d < D; ++d) orow[h * D + d] = acc[i][d] * inv;
-        a->lse[r * a->num_heads + h] = m[i] + logf(l[i]);
+    float *orow = part->out ? part->out : a->out + a->token_rows[r] * a->out_row_stride;
+    float *lrow = part->out ? part->lse : a->lse + r * a->num_heads;
+    for (int64_t h = 0; h < nh; ++h) {
+        const float inv = 1.0f / l[h];
+        for (int64_t d = 0; d < D; ++d) orow[h * D + d] = acc[h][d] * inv;
+        lrow[h] = m[h] + logf(l[h]);
     }
 }
 
 /* The common head sizes, GQA ratios and block size as compile-time constants. */
-static void ps_decode_row(const ps_decode_args *a, int64_t r, int64_t h0, int64_t h1,
-                          int64_t nr) {
+static void ps_decode_row(const ps_decode_args *a, int64_t r, int64_t nr, const ps_part *p) {
     const int64_t D = a->head_dim, G = a->num_heads / a->num_kv_heads, BS = a->block_size;
-    if (BS == 16 && D == 64 && G == 2) ps_decode_row_impl(a, r, h0, h1, nr, 64, 2, 16, 1);
-    else if (BS == 16 && D == 128 && G == 4) ps_decode_row_impl(a, r, h0, h1, nr, 128, 4, 16, 1);
+    if (BS == 16 && D == 64 && G == 2) ps_decode_row_impl(a, r, nr, p, 64, 2, 16, 1);
+    else if (BS == 16 && D == 128 && G == 4)
+        ps_decode_row_impl(a, r, nr, p, 128, 4, 16, 1);
     /* SmolLM2-135M (9 heads / 3 KV heads) and Qwen2-0.5B (14 / 2): head_dim 64 */
-    else if (BS == 16 && D == 64 && G == 3) ps_decode_row_impl(a, r, h0, h1, nr, 64, 3, 16, 1);
-    else if (BS == 16 && D == 64 && G == 7) ps_decode_row_impl(a, r, h0, h1, nr, 64, 7, 16, 1);
-    else ps_decode_row_impl(a, r, h0, h1, nr, D, G, BS, 0);
+    else if (BS == 16 && D == 64 && G == 3) ps_decode_row_impl(a, r, nr, p, 64, 3, 16, 1);
+    else if (BS == 16 && D == 64 && G == 7) ps_decode_row_impl(a, r, nr, p, 64, 7, 16, 1);
+    else ps_decode_row_impl(a, r, nr, p, D, G, BS, 0);
+}
+
+/* The blocks a row reads (after its shared prefix, within its window); at least 1. */
+static int64_t ps_row_blocks(const ps_decode_args *a, int64_t r) {
+    const int64_t BS = a->block_size, last = a->seq_lens[r] - 1;
+    int64_t lo = a->first_block[r] * BS;
+    if (a->window > 0 && last - a->window + 1 > lo) lo = last - a->window + 1;
+    const int64_t n = last / BS + 1 - lo / BS;
+    return n > 1 ? n : 1;
+}
+
+/* Fewer rows than threads: each row's blocks cut into up to ceil(threads / rows) runs, each
+ * attended by a task of its own into a scratch row (output and log-sum-exp over its run), the
+ * runs then merged exactly by their log-sum-exps. Why: one thread per row leaves threads idle
+ * (a single sequence decoding), and a task per KV head instead read a strided span of every
+ * token row, which the prefetchers cover poorly (bench/README.md). Returns 0, or -2 where the
+ * scratch could not be allocated (the caller then takes whole rows). */
+static int ps_decode_split(const ps_decode_args *a) {
+    const int64_t R = a->num_rows, T = a->num_threads, H = a->num_heads, D = a->head_dim;
+    const int64_t want = (T + R - 1) / R;
+    int64_t *first = malloc((size_t)(R + 1) * sizeof *first); /* row r's tasks: [first[r], ..) */
+    if (!first) return -2;
+    first[0] = 0;
+    for (int64_t r = 0; r < R; ++r) {
+        const int64_t nb = ps_row_blocks(a, r);
+        first[r + 1] = first[r] + (nb < want ? nb : want);
+    }
+    const int64_t tasks = first[R];
+    float *scratch = malloc((size_t)tasks * H * (D + 1) * sizeof *scratch);
+    if (!scratch) {
+        free(first);
+        return -2;
+    }
+    int64_t taken = 0;
+#pragma omp parallel num_threads(a->num_threads)
+    {
+        for (int64_t t = __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED); t < tasks;
+             t = __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED)) {
+            int64_t r = 0;
+            while (first[r + 1] <= t) ++r;
+            const int64_t n = first[r + 1] - first[r], k = t - first[r], nb = ps_row_blocks(a, r);
+            ps_part part = {nb * k / n, nb * (k + 1) / n, NULL, NULL};
+            if (n > 1) { /* else straight into the row's output */
+                part.out = scratch + t * H * (D + 1);
+                part.lse = part.out + H * D;
+            }
+            ps_decode_row(a, r, -1, &part);
+        }
+    }
+    for (int64_t r = 0; r < R; ++r) { /* merge the runs: weights exp(lse_k - lse) */
+        const int64_t n = first[r + 1] - first[r];
+        if (n == 1) continue;
+        const float *base = scratch + first[r] * H * (D + 1);
+        float *orow = a->out + a->token_rows[r] * a->out_row_stride;
+        for (int64_t h = 0; h < H; ++h) {
+            float m = -INFINITY, sum = 0.0f;
+            for (int64_t k = 0; k < n; ++k) {
+                const float x = base[k * H * (D + 1) + H * D + h];
+                if (x > m) m = x;
+            }
+            for (int64_t d = 0; d < D; ++d) orow[h * D + d] = 0.0f;
+            for (int64_t k = 0; k < n; ++k) {
+                const float *part = base + k * H * (D + 1);
+                const float w = expf(part[H * D + h] - m);
+                sum += w;
+                for (int64_t d = 0; d < D; ++d) orow[h * D + d] += w * part[h * D + d];
+            }
+            for (int64_t d = 0; d < D; ++d) orow[h * D + d] /= sum;
+            a->lse[r * H + h] = m + logf(sum);
+        }
+    }
+    free(scratch);
+    free(first);
+    return 0;
 }
 
 /* Limits the caller checks before calling (stack buffers above). */
@@ -542,37 +619,30 @@ int PS_KV_FN(ps_decode_attention)(const ps_decode_args *a) {
     if (a->start_out)
         for (int64_t r = 0; r < a->num_rows; ++r)
             if (a->start_slot[r] >= a->start_rows) return -1;
-    /* A task is a row (all heads), or, with fewer rows than threads, a part of a row: one of
-     * `split` runs of consecutive KV heads, as many parts as it takes to give every thread
-     * one. Dynamic scheduling evens out rows of different lengths. Why whole rows down to one
-     * per thread (the split began below 4 rows per thread, a task per KV head): a part reads a
-     * span of every token row, strided, which the hardware prefetchers and the next block's
-     * requests cover poorly; whole rows read 1.23-1.7x as fast at 2-7 rows on 2 threads, even
-     * of unequal lengths (a Zen 3 EPYC, K/V from DRAM; bench/README.md). */
-    const int64_t threads = a->num_threads, kv = a->num_kv_heads, G = a->num_heads / kv;
-    int64_t split = 1;
-    if (a->num_rows < threads) {
-        split = (threads + a->num_rows - 1) / a->num_rows;
-        if (split > kv) split = kv;
-    }
-    const int64_t tasks = a->num_rows * split;
-    /* A thread working on whole rows takes its next one before it starts the current one, so
-     * that the current row's last block can ask for the next row's first: without that, every
-     * row began with a block's worth of misses in a row (1/16 of a 256-token row). Only while
-     * more rows are left than the threads could be holding: at the tail a row taken ahead
-     * would wait for its thread while another thread had nothing (with few rows, one thread
-     * could take two of them before a second one had started). */
+    /* Fewer rows than threads: runs of each row's blocks (ps_decode_split). Else a task is a
+     * row, all its heads; dynamic scheduling evens out rows of different lengths. Why whole
+     * rows down to one per thread (rows were split below 4 per thread, a task per KV head): a
+     * task of some KV heads read a span of every token row, strided, which the prefetchers
+     * cover poorly; whole rows read 1.23-1.7x as fast at 2-7 rows on 2 threads, even of unequal
+     * lengths (a Zen 3 EPYC, K/V from DRAM; bench/README.md). */
+    const int64_t threads = a->num_threads, rows = a->num_rows;
+    if (rows < threads && ps_decode_split(a) == 0) return 0;
+    const ps_part whole = {0, INT64_MAX, NULL, NULL};
+    /* A thread takes its next row before it starts the current one, so that the current
+     * row's last block can ask for the next row's first: without that, every row began with a
+     * block's worth of misses in a row (1/16 of a 256-token row). Only while more rows are left
+     * than the threads could be holding: at the tail a row taken ahead would wait for its
+     * thread while another thread had nothing (with few rows, one thread could take two of
+     * them before a second one had started). */
     int64_t taken = 0;
 #pragma omp parallel num_threads(a->num_threads)
     {
         int64_t cur = __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED);
-        while (cur < tasks) {
+        while (cur < rows) {
             int64_t nxt = -1;
-            if (split == 1 && tasks - __atomic_load_n(&taken, __ATOMIC_RELAXED) > threads)
+            if (rows - __atomic_load_n(&taken, __ATOMIC_RELAXED) > threads)
                 nxt = __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED);
-            const int64_t part = cur % split; /* KV heads [kv * part / split, ...) */
-            const int64_t h0 = kv * part / split * G, h1 = kv * (part + 1) / split * G;
-            ps_decode_row(a, cur / split, h0, h1, nxt < tasks ? nxt : -1);
+            ps_decode_row(a, cur, nxt < rows ? nxt : -1, &whole);
             cur = nxt >= 0 ? nxt : __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED);
         }
     }
