@@ -3,8 +3,11 @@
 Per layer, fp32, 8 query heads / 4 KV heads / head_dim 64 / block_size 16 (the model the
 project benchmarks):
 
-* decode at (batch 64, ctx 512) and (batch 256, ctx 256): milliseconds, achieved GB/s of K/V
-  read, and the ratio against a dense SDPA over contiguous K/V of the same shape (same process);
+* decode at (batch 64, ctx 512), (batch 256, ctx 256) and one sequence of 4000 tokens (batch 1:
+  the C kernel splits a row's blocks into runs across the threads, while ``read_blocks`` sums a
+  row on one thread, so its ``cold_fraction_of_blocks_read`` can pass 1): milliseconds,
+  achieved GB/s of K/V read, and the ratio against a dense SDPA over contiguous K/V of the same
+  shape (same process);
   ``ms`` is the backend as the engine runs it (the C decode kernel when it builds: ``native``),
   ``torch_path_ms`` the pure-torch path on the same batch;
 * prefill of 512 fresh tokens, and a 512-token chunk after 512 cached tokens;
@@ -501,7 +504,8 @@ def main() -> None:
         return
     if args.threads:
         torch.set_num_threads(args.threads)
-    decode = [asdict(bench_decode(b, c, args.repeats)) for b, c in [(64, 512), (256, 256)]]
+    sizes = [(64, 512), (256, 256), (1, 4000)]
+    decode = [asdict(bench_decode(b, c, args.repeats)) for b, c in sizes]
     result = {
         "bench": "kernels.torch",
         "threads": torch.get_num_threads(),
