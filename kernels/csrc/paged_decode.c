@@ -23,8 +23,8 @@
  * for 8/4 and 9/3 heads of 64, 0.58-0.85 of a contiguous read (9/3 the lowest: there it runs
  * at ~0.8 of a plain sum over the same blocks, its compute and its misses barely overlapping).
  * Since, AVX2 builds take up to 3 heads of one KV head per pass for head_dim 64 (ps_scores4xn,
- * ps_values_halves): 1.04-1.17x for 9/3 heads, 0.97-1.15x for 8/4 there, 0.88-0.91 of the
- * blocks' plain sum for 9/3 at 48-64 rows.
+ * ps_values_halves): 1.03-1.17x for 9/3 heads, 0.96-1.14x for 8/4 there (48-256 rows), 0.79-0.91
+ * of the blocks' plain sum for 9/3 (0.71-0.88 before).
  * On a Zen 4 EPYC (2 threads, K/V from DRAM; bench/README.md): 24-29 GB/s of K/V for 8/4 and 9/3
  * heads of 64, 0.96-1.0 of a plain sum over the same scattered blocks, 0.73-0.83 of a contiguous
  * read when the machine reads ~30-35 GB/s, 0.49-0.58 when it reads ~45-50 (the blocks' sum
