@@ -251,8 +251,8 @@ static inline __attribute__((always_inline)) void ps_values_halves(
 }
 #endif
 
-/* Asks for the cache lines of rows [0, n) of a block (rows token_stride floats apart), floats
- * [off, off + len) of each row, to be brought into L1 ahead of use (64-byte lines).
+/* Asks for the cache lines of len elements from base (a whole block: its rows are contiguous)
+ * to be brought into L2 ahead of use (64-byte lines).
  *
  * Why: a row's blocks lie anywhere in the pool, so the hardware prefetchers, which follow
  * sequential streams within a page, stall at every block's start. Requesting block b + 1
@@ -264,11 +264,8 @@ static inline __attribute__((always_inline)) void ps_values_halves(
  * version's K/V rate alone, 1.2-2.1x with the key prefetches spread over the heads' score
  * passes. Two blocks ahead measured no better. Within a row the steps of ps_pf (above) now
  * do this a line at a time; this asks for the next row's first block. */
-static inline void ps_prefetch_rows(const ps_kv_t *base, int64_t n, int64_t token_stride,
-                                    int64_t off, int64_t len) {
-    for (int64_t t = 0; t < n; ++t)
-        for (int64_t d = 0; d < len; d += PS_KV_LINE)
-            __builtin_prefetch(base + t * token_stride + off + d, 0, 2);
+static inline void ps_prefetch_span(const ps_kv_t *base, int64_t len) {
+    for (int64_t d = 0; d < len; d += PS_KV_LINE) __builtin_prefetch(base + d, 0, 2);
 }
 
 /* Value sums over tokens [t0, t1) of a block for n heads of one KV head, head_dim
@@ -336,6 +333,12 @@ static inline __attribute__((always_inline)) void ps_values_pass(
     else ps_values_tile(acc, s, 1, DV, vh, pf, token_stride, t0, t1);
 }
 
+/* The first position row r reads: after its shared prefix (first_block), within its window. */
+static inline int64_t ps_row_lo(const ps_decode_args *a, int64_t r, int64_t BS) {
+    const int64_t last = a->seq_lens[r] - 1, lo = a->first_block[r] * BS;
+    return a->window > 0 && last - a->window + 1 > lo ? last - a->window + 1 : lo;
+}
+
 /* Which of a row's blocks a task attends, and where it writes: blocks [b0, b1) counted from
  * the first block the row reads (b1 past the end: to its end); out / lse: a scratch row
  * ([num_heads, head_dim] and [num_heads]) for a run merged afterwards (ps_decode_split), or
@@ -391,9 +394,7 @@ static inline __attribute__((always_inline)) void ps_decode_row_impl(
         }
     }
 
-    const int64_t last = a->seq_lens[r] - 1;
-    int64_t lo = a->first_block[r] * BS;
-    if (a->window > 0 && last - a->window + 1 > lo) lo = last - a->window + 1;
+    const int64_t last = a->seq_lens[r] - 1, lo = ps_row_lo(a, r, BS);
     const int32_t *table = a->block_tables + a->seq_index[r] * a->block_table_stride;
 
     /* this part's blocks: [b_from, b_to) of the row's [lo / BS, last / BS] */
@@ -421,17 +422,18 @@ static inline __attribute__((always_inline)) void ps_decode_row_impl(
                 for (int64_t g = 0; g < G; g += SH) {
                     const int64_t n = G - g < SH ? G - g : SH;
                     const ps_kv_t *kh = kc + (i / G) * D;
-                    const int H = HALVES;
-                    if (g == 0) ps_scores_pass(q + i, n, kh, token_stride, D, s + i, c, &pf, H);
-                    else ps_scores_pass(q + i + g, n, kh, token_stride, D, s + i + g, c, 0, H);
+                    if (g == 0)
+                        ps_scores_pass(q + i, n, kh, token_stride, D, s + i, c, &pf, HALVES);
+                    else
+                        ps_scores_pass(q + i + g, n, kh, token_stride, D, s + i + g, c, 0, HALVES);
                 }
         }
         if (!has_next && next_row >= 0) { /* the row's last block: the next row's first */
             const int64_t nb = a->first_block[next_row];
             const int32_t *nt = a->block_tables + a->seq_index[next_row] * a->block_table_stride;
             const int64_t off = (int64_t)nt[nb] * BS * token_stride;
-            ps_prefetch_rows(a->k_cache + off, BS, token_stride, 0, token_stride);
-            ps_prefetch_rows(a->v_cache + off, BS, token_stride, 0, token_stride);
+            ps_prefetch_span(a->k_cache + off, BS * token_stride);
+            ps_prefetch_span(a->v_cache + off, BS * token_stride);
         }
         /* online softmax over the block's valid tokens [t0, t1), in phases over all heads of
          * the task (each head's maximum, then the new maxima and rescale factors as vectors,
@@ -484,9 +486,10 @@ static inline __attribute__((always_inline)) void ps_decode_row_impl(
                     const int64_t n = G - g < TH ? G - g : TH;
                     float(*ac)[PS_MAX_HEAD_DIM] = acc + i + g;
                     const float(*sc)[PS_MAX_BLOCK] = (const float(*)[PS_MAX_BLOCK])(s + i + g);
-                    const int H = HALVES;
-                    if (g == 0) ps_values_pass(ac, sc, n, DV, vh, &pf, token_stride, t0, t1, H);
-                    else ps_values_pass(ac, sc, n, DV, vh, 0, token_stride, t0, t1, H);
+                    if (g == 0)
+                        ps_values_pass(ac, sc, n, DV, vh, &pf, token_stride, t0, t1, HALVES);
+                    else
+                        ps_values_pass(ac, sc, n, DV, vh, 0, token_stride, t0, t1, HALVES);
                 }
             }
         } else {
@@ -530,9 +533,7 @@ static void ps_decode_row(const ps_decode_args *a, int64_t r, int64_t nr, const 
 /* The blocks a row reads (after its shared prefix, within its window); at least 1. */
 static int64_t ps_row_blocks(const ps_decode_args *a, int64_t r) {
     const int64_t BS = a->block_size, last = a->seq_lens[r] - 1;
-    int64_t lo = a->first_block[r] * BS;
-    if (a->window > 0 && last - a->window + 1 > lo) lo = last - a->window + 1;
-    const int64_t n = last / BS + 1 - lo / BS;
+    const int64_t n = last / BS + 1 - ps_row_lo(a, r, BS) / BS;
     return n > 1 ? n : 1;
 }
 
@@ -648,12 +649,14 @@ int PS_KV_FN(ps_decode_attention)(const ps_decode_args *a) {
     }
     return 0;
 }
-/* The bandwidth ceiling of the access pattern, for bench/kernels.py: the same rows, blocks and
- * tasks as ps_decode_attention_f32 with no attention, only a sum of every key and value float
- * the kernel reads (each block's valid keys, then its values, the next block asked for
- * meanwhile). The scattered 12 KB runs of a block pool read slower than one contiguous buffer
- * (a plain sum over the same blocks measured 28-30 GB/s against 38-40 contiguous on 2 Zen 5
- * cores with huge pages): this tells the kernel's own cost from the layout's. Returns the sum
+/* The bandwidth ceiling of the access pattern, for bench/kernels.py: the same rows and blocks
+ * as ps_decode_attention_f32, a row per task (where the kernel has fewer rows than threads it
+ * splits them into runs of blocks; this does not), with no attention, only a sum of every key
+ * and value float the kernel reads (each block's valid keys, then its values, the next block
+ * asked for meanwhile). The scattered 12 KB runs of a block pool read slower than one
+ * contiguous buffer (a plain sum over the same blocks measured 28-30 GB/s against 38-40
+ * contiguous on 2 Zen 5 cores with huge pages): this tells the kernel's own cost from the
+ * layout's. Returns the sum
  * (so that the reads cannot be optimised away). */
 double PS_KV_FN(ps_read_blocks)(const ps_decode_args *a) {
     const int64_t D = a->head_dim, BS = a->block_size, token_stride = a->num_kv_heads * D;
@@ -666,9 +669,7 @@ double PS_KV_FN(ps_read_blocks)(const ps_decode_args *a) {
         vwsf acc = ps_wsplat(0.0f), acc2 = ps_wsplat(0.0f);
         for (int64_t r = __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED); r < a->num_rows;
              r = __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED)) {
-            const int64_t last = a->seq_lens[r] - 1;
-            int64_t lo = a->first_block[r] * BS;
-            if (a->window > 0 && last - a->window + 1 > lo) lo = last - a->window + 1;
+            const int64_t last = a->seq_lens[r] - 1, lo = ps_row_lo(a, r, BS);
             const int32_t *table = a->block_tables + a->seq_index[r] * a->block_table_stride;
             for (int64_t b = lo / BS; b * BS <= last; ++b) {
                 const int64_t t0 = lo > b * BS ? lo - b * BS : 0;
