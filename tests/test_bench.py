@@ -293,11 +293,21 @@ def test_vllm_gets_both_cores_and_the_allocator_asked_for(
     assert env["LD_PRELOAD"] == "/usr/lib/libtcmalloc_minimal.so.4:/opt/other.so"
     assert "PYTHONPATH" not in env  # vLLM's venv must not import this checkout
     assert vllm_env(2, None)["LD_PRELOAD"] == "/opt/other.so"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"  # the presets' budget, in whole GiB (at least 1)
+    assert vllm_env(2, None, PRESETS["smoke"].kv_cache_gib)["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert vllm_preload("glibc") is None
     monkeypatch.setattr("bench.throughput.find_tcmalloc", lambda: None)
     assert vllm_preload("auto") is None
     with pytest.raises(SystemExit, match="no libtcmalloc"):
         vllm_preload("tcmalloc")
+
+
+def smoke_pool_blocks(model_dir: Path) -> int:
+    """Blocks of 16 tokens in the smoke preset's KV budget for the float32 checkpoint."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 4
+    return int(PRESETS["smoke"].kv_cache_gib * (1 << 30)) // (16 * per_token)
 
 
 def test_quick_run_end_to_end(tiny_model_dir: Path, flops_per_token: float) -> None:
@@ -323,6 +333,7 @@ def test_quick_run_end_to_end(tiny_model_dir: Path, flops_per_token: float) -> N
             assert abs(res["mfu_pct"] - ref) <= 0.05 + 0.01 * ref
         ours = body["systems"]["ours"]
         assert ours["length_mismatches"] == 0
+        assert ours["num_kv_blocks"] == smoke_pool_blocks(tiny_model_dir)
         assert 0 <= ours["kv_waste_pct"] < 100
         expected = round(ours["output_tok_s"] / body["systems"]["hf-static"]["output_tok_s"], 2)
         assert body["ratios"]["ours/hf-static"] == expected
