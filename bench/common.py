@@ -34,6 +34,11 @@ def cpu_info() -> dict[str, Any]:
     return {"cpu": fields.get("model name", ""), "cpu_flags": [f for f in CPU_FLAGS if f in flags]}
 
 
+def has_avx512() -> bool:
+    """Whether this CPU has AVX-512F (where the kernels' 16-float builds run natively)."""
+    return "avx512f" in cpu_info().get("cpu_flags", [])
+
+
 def emit(name: str, figures: dict[str, Any]) -> None:
     """Print the benchmark's single JSON line (figures plus where it ran)."""
     record = {

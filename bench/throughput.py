@@ -282,7 +282,9 @@ def vllm_preload(choice: str) -> str | None:
     return lib
 
 
-def vllm_env(threads: int, preload: str | None = None, kv_cache_gib: float = 2) -> dict[str, str]:
+def vllm_env(
+    threads: int, preload: str | None = None, kv_cache_gib: float = Preset.kv_cache_gib
+) -> dict[str, str]:
     env = child_env(threads)
     env.pop("PYTHONPATH", None)
     env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"
@@ -384,7 +386,7 @@ def throughput_workload(wl: Workload, systems: list[str], ctx: dict[str, Any]) -
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
     for rep in range(repeats):
         for system in systems:
-            opts: dict[str, Any] = dict(ctx.get("placement", {}))
+            opts: dict[str, Any] = dict(ctx.get("options", {}))
             if system == "hf-static":
                 opts["batch_sizes"] = ctx.get("batch_sizes") or list(
                     ctx["preset"].static_batch_sizes
@@ -423,7 +425,7 @@ def prefix_workload(wl: Workload, systems: list[str], ctx: dict[str, Any]) -> di
     cache: left out here."""
     body = throughput_workload(wl, [s for s in systems if s in PREFIX_CACHING], ctx)
     on = body["systems"]["ours"]
-    opts = {**ctx.get("placement", {}), "enable_prefix_caching": False}
+    opts = {**ctx.get("options", {}), "enable_prefix_caching": False}
     off = run_system("ours", wl, ctx, opts, f"{wl.name}-ours-off")
     body["systems"]["ours-prefix-off"] = off
     body["ratios"]["prefix_on/off"] = ratio(on, off)
@@ -541,8 +543,8 @@ def main(argv: list[str] | None = None) -> None:
             "base": args.base,
             "vllm_preload": vllm_preload(args.vllm_malloc) if uses_vllm(systems) else None,
             "repeats": max(1, args.repeats),
-            # every system's options (the peers take what they know)
-            "placement": {
+            # every system's options (each peer reads those it knows)
+            "options": {
                 "device": args.device, "dtype": args.dtype, "kv_cache_gib": preset.kv_cache_gib
             },
             "batch_sizes": args.batch_sizes,

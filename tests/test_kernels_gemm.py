@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from bench.common import cpu_info
+from bench.common import has_avx512
 from kernels import gemm as native_gemm
 from kernels import native
 
@@ -33,7 +33,7 @@ def emulated_wide_flags() -> list[str]:
     plain build and the one without PS_GEMM_NEXT); only its logic is tested there, and an AVX-512
     machine's own build (``machine``) is the 16-float one at -O3."""
     flags = [*native.FLAGS, "-DPS_WIDE_LANES=16"]
-    if "avx512f" in cpu_info().get("cpu_flags", []):
+    if has_avx512():
         return flags
     return ["-O2" if flag == "-O3" else flag for flag in flags]
 

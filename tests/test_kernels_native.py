@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.common import cpu_info
+from bench.common import has_avx512
 from kernels import native, torch_plan
 from kernels.reference import reference_paged_attention
 from kernels.testing import PagedBatch, make_batch, share_prefix
@@ -39,7 +39,7 @@ def wide_build_or_skip(lanes: int) -> None:
     """Skip the 16-float build of the decode library where the CPU lacks AVX-512: no such
     machine runs it (PS_WIDE_LANES is 8 there), and GCC, splitting every 64-byte vector into AVX2
     halves, compiled it for over 300 s on an AVX2-only Zen 3 (the test's timeout)."""
-    if lanes == 16 and "avx512f" not in cpu_info().get("cpu_flags", []):
+    if lanes == 16 and not has_avx512():
         pytest.skip("the 16-float build needs AVX-512 to be worth compiling")
 
 
