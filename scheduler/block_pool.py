@@ -64,7 +64,7 @@ class PrefixCacheStats:
     queried_blocks: int = 0
     hit_blocks: int = 0
     #: Cached prefixes moved into another block so that a table could take the block after its
-    #: last one (``BlockPool.allocate_after``): one block copy each.
+    #: last one (``BlockPool.take``): one block copy each.
     moved_blocks: int = 0
 
     @property
@@ -95,20 +95,36 @@ class PoolOccupancy:
 class BlockPool:
     """Reference-counted blocks; the LRU free queue doubles as the prefix-cache eviction order.
 
-    The free queue is an ``OrderedDict`` (O(1) removal from the middle when a cached block is hit).
-    Blocks that hold no reusable prefix sit at its front and are handed out first; blocks that do
-    are appended at its back when released, so the least recently used prefix is evicted first.
+    The free queue has two parts, each an ``OrderedDict`` (O(1) removal from the middle when a
+    cached block is hit): blocks that hold no reusable prefix, handed out first; then blocks
+    that do, in the order they were released, so the least recently used prefix is evicted
+    first. The second part is keyed by a stamp, not by block: a prefix that moves to another
+    block (below) keeps its place in the eviction order.
 
-    A growing table asks for the block right after its last one (:meth:`allocate_after`) and
-    gets it whenever it is free: if it caches a prefix, that prefix moves into the block at the
-    front of the queue (the one allocation would hand out, and whose own prefix it would evict,
-    now) through a block copy the runner makes before the step's forward pass, as for
-    copy-on-write. Why: taking the front block every time scattered each table across the pool
-    once it had turned over (2% of consecutive entries adjacent by the fifth ``mixed`` wave,
+    A growing table asks for the block right after its last one (:meth:`take`) and gets it
+    whenever it is free: if it caches a prefix, that prefix moves into the block at the front of
+    the queue (the one allocation would hand out, and whose own prefix it would evict, now)
+    through a block copy the runner makes before the step's forward pass, as for copy-on-write.
+    Why: taking the front block every time scattered each table across the pool once it had
+    turned over (2% of consecutive entries adjacent by the fifth ``mixed`` wave,
     ``bench.kv_layout``), and the CPU decode kernel reads a scattered table 1.1-1.35x slower
     than a contiguous one; taking the neighbour and dropping its prefix halved multi-turn chats'
-    prefix hits instead (bench/README.md). The moved prefix keeps its place in the cache, not in
-    the queue's order: it goes to the back (most recently used), a small bias in its favour.
+    prefix hits instead (bench/README.md). Until the forty-seventh session a moved prefix went
+    to the back of the queue (most recently used), ahead of prefixes used since; keeping its
+    place served multi-turn chats in a full pool 0.811 / 0.447 / 0.153 of their prompt tokens
+    on turns 2-4 instead of 0.782 / 0.415 / 0.136 (``bench.kv_replay``, 6 seeds).
+
+    **Windows.** A neighbour is only free if no other table started there: a sequence placed
+    at the front of the queue landed right after another one's last block as often as not, and
+    both then went on in pieces (54-79% of consecutive entries adjacent in a 2 GiB pool, 44% in
+    a full one). So a sequence's blocks are placed as a *window*
+    (:class:`~scheduler.kv_cache_manager.KVCacheManager`): a run of open blocks (free, in no
+    other window) as long as its prompt and ``max_tokens`` need, found by :meth:`find_run` and
+    marked in :attr:`reserved` until the sequence leaves it (99-100% adjacent in the 2 GiB
+    pool). A window is a preference, not a promise: allocation from the queue (:meth:`allocate`:
+    copy-on-write, and new blocks when every free block lies in some window) may still take its
+    blocks, and the owner then opens a new window further on. ``num_free`` counts windows'
+    blocks as free: admission is as before.
     """
 
     def __init__(
@@ -128,8 +144,19 @@ class BlockPool:
         #: One byte per block, 1 while it holds a registered prefix (``_hash_of`` is set): the
         #: snapshot's cached blocks are these and the unreferenced ones, in bytes operations.
         self._hashed = bytearray(num_blocks)
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        #: This step's prefix moves (:meth:`allocate_after`): destination -> source, and the
+        #: The free queue, in two parts. Free blocks holding no prefix, handed out first, front
+        #: first; and free blocks holding one, least recently released first, keyed by a stamp
+        #: so that a prefix moving to another block keeps its place (:meth:`_move_prefix`).
+        self._fresh: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._lru: OrderedDict[int, int] = OrderedDict()  # stamp -> block
+        self._stamp: list[int] = [0] * num_blocks  # a block's key in ``_lru`` while it is there
+        self._next_stamp = 0
+        #: One byte per block, 1 inside a sequence's window (see the class docstring).
+        self.reserved = bytearray(num_blocks)
+        #: One byte per block, 1 while it is free, in no window and not this step's prefix-move
+        #: destination: what :meth:`find_run` may place a window on.
+        self._open = bytearray(b"\x01") * num_blocks
+        #: This step's prefix moves (:meth:`take`): destination -> source, and the
         #: step's copy list they were added to. Cleared by :meth:`new_step`.
         self._moved_to: dict[int, int] = {}
         self._copies: list[tuple[int, int]] = []
@@ -142,11 +169,15 @@ class BlockPool:
     # ----------------------------------------------------------------- queries
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._fresh) + len(self._lru)
 
     @property
     def num_cached_evictable(self) -> int:
-        return sum(1 for b in self._free if self._hash_of[b] is not None)
+        return len(self._lru)
+
+    def free_blocks(self) -> list[int]:
+        """The free queue in allocation order (for tests and tools; O(free blocks))."""
+        return [*self._fresh, *self._lru.values()]
 
     def record_lookup(self, num_tokens: int, num_hit_blocks: int) -> None:
         """Count one prefix lookup: a sequence of ``num_tokens`` found ``num_hit_blocks`` cached."""
@@ -166,68 +197,117 @@ class BlockPool:
     # --------------------------------------------------------------- mutation
     def allocate(self) -> int | None:
         """Take the block at the front of the free queue (evicting its cached prefix, if any)."""
-        if not self._free:
+        if self._fresh:
+            block, _ = self._fresh.popitem(last=False)
+        elif self._lru:
+            _, block = self._lru.popitem(last=False)
+        else:
             return None
-        block, _ = self._free.popitem(last=False)
         if block in self._moved_to:  # a prefix moved here this step: dropped, copy and all
             self._copies.remove((self._moved_to.pop(block), block))
         self._evict(block)
         self.ref_counts[block] = 1
+        self._open[block] = 0
         return block
 
-    def allocate_after(self, last: int, copies: list[tuple[int, int]]) -> int | None:
-        """Block ``last + 1`` if it is free (a prefix it caches moves to the front block, by a
-        ``(source, destination)`` pair appended to ``copies``, this step's block copies), else
-        as :meth:`allocate`. See the class docstring."""
-        want = last + 1
-        if want >= self.num_blocks or self.ref_counts[want] or want in self._moved_to:
-            return self.allocate()
-        if self._hash_of[want] is not None:
-            front = next(iter(self._free))
-            if front == want or front in self._moved_to:
-                return self.allocate()
-            self._move_prefix(want, front, copies)
-        del self._free[want]
-        self.ref_counts[want] = 1
-        return want
+    def take(self, block: int, copies: list[tuple[int, int]]) -> bool:
+        """Take free ``block`` itself; a prefix it caches moves to the block allocation would
+        hand out now (by a ``(source, destination)`` pair appended to ``copies``, this step's
+        block copies). False if it is in use, or a destination of this step's moves. See the
+        class docstring."""
+        if self.ref_counts[block] or block in self._moved_to:
+            return False
+        if self._hash_of[block] is None:
+            del self._fresh[block]
+        elif self._fresh:  # the prefix moves into a block holding none: nothing evicted
+            self._move_prefix(block, next(iter(self._fresh)), copies)
+        else:
+            stamp, front = next(iter(self._lru.items()))
+            if front == block:  # the least recently used prefix: evicted, as allocate() would
+                del self._lru[stamp]
+                self._evict(block)
+            elif front in self._moved_to:
+                return False
+            else:
+                self._move_prefix(block, front, copies)
+        self.ref_counts[block] = 1
+        self._open[block] = 0
+        return True
+
+    def find_run(self, length: int) -> tuple[int, int] | None:
+        """``(start, end)`` of the first run of ``length`` open blocks, else of half as many,
+        down to one block; runs of blocks caching no prefix first (taking them moves nothing).
+        None when every free block lies in a window. Two ``bytes.find`` calls per length:
+        microseconds for 100k blocks."""
+        open_ = self._open
+        fresh = open_
+        if self._cached:
+            mask = int.from_bytes(open_, "little") & ~int.from_bytes(self._hashed, "little")
+            fresh = mask.to_bytes(self.num_blocks, "little")
+        while length >= 1:
+            pattern = b"\x01" * length
+            start = fresh.find(pattern)
+            if start < 0 and fresh is not open_:
+                start = open_.find(pattern)
+            if start >= 0:
+                return start, start + length
+            length //= 2
+        return None
+
+    def reserve(self, start: int, end: int) -> None:
+        """Mark blocks ``start .. end-1`` as one sequence's window (no other run covers them)."""
+        self.reserved[start:end] = b"\x01" * (end - start)
+        self._open[start:end] = bytes(end - start)
+
+    def unreserve(self, start: int, end: int) -> None:
+        """End a window: its free blocks are open again."""
+        self.reserved[start:end] = bytes(end - start)
+        refs, open_ = self.ref_counts, self._open
+        for block in range(start, end):
+            if not refs[block] and block not in self._moved_to:
+                open_[block] = 1
 
     def _move_prefix(self, src: int, dst: int, copies: list[tuple[int, int]]) -> None:
-        """Re-register ``src``'s cached prefix under free block ``dst`` (evicting dst's own),
-        put dst at the back of the queue, and ask for the copy of its K/V."""
-        self._evict(dst)
+        """Re-register free ``src``'s cached prefix under free block ``dst`` (the queue's
+        front: evicting dst's own prefix, if any), dst taking src's place in the queue (the
+        prefix keeps its recency), src leaving the queue; and ask for the copy of its K/V."""
+        if self._hash_of[dst] is None:
+            del self._fresh[dst]
+        else:
+            del self._lru[self._stamp[dst]]
+            self._evict(dst)
+        stamp = self._stamp[src]
+        self._lru[stamp] = dst
+        self._stamp[dst] = stamp
         block_hash, tokens = self._hash_of[src], self._tokens_of[src]
         assert block_hash is not None
         self._hash_of[src], self._tokens_of[src], self._hashed[src] = None, None, 0
         self._cached[block_hash] = dst
         self._hash_of[dst], self._tokens_of[dst], self._hashed[dst] = block_hash, tokens, 1
-        self._free.move_to_end(dst)
         copies.append((src, dst))
         self._moved_to[dst] = src
+        self._open[dst] = 0
         self._copies = copies
         self.stats.moved_blocks += 1
 
     def new_step(self) -> None:
         """Forget the last step's prefix moves (their copies are made before its forward)."""
         if self._moved_to:
+            refs, reserved, open_ = self.ref_counts, self.reserved, self._open
+            for dst in self._moved_to:
+                if not refs[dst] and not reserved[dst]:
+                    open_[dst] = 1
             self._moved_to = {}
             self._copies = []
-
-    def allocate_many(self, n: int, after: int, copies: list[tuple[int, int]]) -> list[int] | None:
-        """``n`` blocks, each the one after the block before it where it can be had
-        (:meth:`allocate_after`; the first: after block ``after``, none if it is -1)."""
-        if n > len(self._free):
-            return None
-        blocks: list[int] = []
-        for _ in range(n):
-            block = self.allocate() if after < 0 else self.allocate_after(after, copies)
-            blocks.append(block)  # type: ignore[arg-type]  (n free blocks: never None)
-            after = block  # type: ignore[assignment]
-        return blocks
 
     def acquire(self, block: int) -> None:
         """Take one more reference to ``block`` (a prefix-cache hit or a fork)."""
         if self.ref_counts[block] == 0:
-            del self._free[block]
+            if self._hash_of[block] is None:
+                del self._fresh[block]
+            else:
+                del self._lru[self._stamp[block]]
+            self._open[block] = 0
         self.ref_counts[block] += 1
 
     def release(self, block: int) -> None:
@@ -236,9 +316,14 @@ class BlockPool:
             raise AssertionError(f"block {block} released more often than acquired")
         self.ref_counts[block] = ref
         if ref == 0:
-            self._free[block] = None
+            self._open[block] = not (self.reserved[block] or block in self._moved_to)
             if self._hash_of[block] is None:
-                self._free.move_to_end(block, last=False)
+                self._fresh[block] = None
+                self._fresh.move_to_end(block, last=False)
+            else:
+                self._next_stamp += 1
+                self._lru[self._next_stamp] = block
+                self._stamp[block] = self._next_stamp
 
     def release_table(self, table: list[int]) -> None:
         """Release a whole table, tail first, so tail blocks are evicted before head blocks."""
@@ -292,7 +377,7 @@ class BlockPool:
         return PoolOccupancy(
             num_blocks=self.num_blocks,
             block_size=self.block_size,
-            free=len(self._free),
+            free=self.num_free,
             in_use=in_use,
             cached_evictable=cached,
             shared=shared,

@@ -16,6 +16,8 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
+    #: Place sequences in windows of blocks to grow into (``BlockPool``'s class docstring).
+    kv_windows: bool = True
     # Blocks kept free when admitting new work, so running sequences can grow without
     # immediately preempting each other.
     watermark: float = 0.01

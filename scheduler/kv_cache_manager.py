@@ -12,6 +12,11 @@ from scheduler.block_pool import BlockPool, PoolOccupancy
 from scheduler.output import ScheduledSequence
 from scheduler.sequence import Sequence
 
+#: The longest window a sequence is placed in, in blocks (see ``BlockPool``): past a few dozen
+#: blocks in a row, one more jump costs the decode kernel nothing measurable, and a long
+#: ``max_tokens`` should not hold a large share of the pool's runs.
+MAX_WINDOW = 64
+
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
@@ -36,8 +41,9 @@ def tokens_stored(running: list[Sequence], block_size: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool) -> None:
+    def __init__(self, pool: BlockPool, windows: bool = True) -> None:
         self.pool = pool
+        self.windows = windows
         self.block_size = bs = pool.block_size
         self._mask = bs - 1
         self._shift = bs.bit_length() - 1  # block_size is a power of two (BlockPool checks)
@@ -76,8 +82,7 @@ class KVCacheManager:
         n_cached = len(hits) * self.block_size
         seq.num_registered = len(hits)
         seq.block_table = hits
-        fresh = pool.allocate_many(num_new_blocks, hits[-1] if hits else -1, copies)
-        seq.block_table.extend(fresh or [])
+        self._extend(seq, num_new_blocks, copies)
         seq.num_computed = n_cached
         seq.synced_blocks = 0
         if not seq.admitted_once:
@@ -104,8 +109,56 @@ class KVCacheManager:
             if seq.synced_blocks > idx:
                 seq.synced_blocks = idx
         if need > 0:
-            table.extend(pool.allocate_many(need, table[-1] if table else -1, copies) or [])
+            self._extend(seq, need, copies)
         return True
+
+    def _extend(self, seq: Sequence, n: int, copies: list[tuple[int, int]]) -> None:
+        """Append ``n`` blocks to ``seq``'s table (the caller checked the pool has them)."""
+        table = seq.block_table
+        for _ in range(n):
+            table.append(self._next_block(seq, copies))
+
+    def _next_block(self, seq: Sequence, copies: list[tuple[int, int]]) -> int:
+        """The block after the table's last one if it is free and in no other sequence's
+        window; else the start of a new window for the blocks the sequence may still need
+        (``BlockPool`` docstring); else, every free block lying in other windows, the queue's
+        front block."""
+        pool, table = self.pool, seq.block_table
+        lo, hi = seq.kv_window
+        if table:
+            want = table[-1] + 1
+            mine = lo <= want < hi
+            if (
+                want < pool.num_blocks
+                and (mine or not pool.reserved[want])
+                and pool.take(want, copies)
+            ):
+                return want
+        if hi > lo:
+            pool.unreserve(lo, hi)
+            seq.kv_window = (0, 0)
+        if self.windows:
+            block = self._open_window(seq)
+            if block is not None and pool.take(block, copies):
+                return block
+            if seq.kv_window != (0, 0):
+                pool.unreserve(*seq.kv_window)
+                seq.kv_window = (0, 0)
+        block = pool.allocate()
+        assert block is not None, "the caller checked the pool's free blocks"
+        return block
+
+    def _open_window(self, seq: Sequence) -> int | None:
+        """Reserve a window for the blocks ``seq`` may still need (prompt and max_tokens, at
+        most ``MAX_WINDOW``) on the first open run that long, else half as long...; its start."""
+        total = min(seq.prompt_len + seq.stop.max_tokens, seq.max_model_len)
+        left = ceil_div(total, self.block_size) - len(seq.block_table)
+        run = self.pool.find_run(max(1, min(left, MAX_WINDOW)))
+        if run is None:
+            return None
+        self.pool.reserve(*run)
+        seq.kv_window = run
+        return run[0]
 
     def emit(self, seq: Sequence, n: int) -> ScheduledSequence:
         """Schedule the next ``n`` tokens of ``seq`` into blocks it already holds.
@@ -162,6 +215,10 @@ class KVCacheManager:
         """Drop every block of ``seq`` (their prefixes stay cached until evicted)."""
         self.pool.release_table(seq.block_table)
         seq.block_table = []
+        lo, hi = seq.kv_window
+        if hi > lo:
+            self.pool.unreserve(lo, hi)
+            seq.kv_window = (0, 0)
 
     def occupancy(self, running: list[Sequence], with_tables: bool = False) -> PoolOccupancy:
         """The pool snapshot plus the token fill of the blocks the running sequences hold."""

@@ -39,7 +39,7 @@ class Scheduler:
         self.config = config
         self.block_size = config.block_size
         self.pool = BlockPool(config.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.kv = KVCacheManager(self.pool)
+        self.kv = KVCacheManager(self.pool, windows=config.kv_windows)
         self.running: list[Sequence] = []  # sorted by Sequence.sort_key
         self.waiting: dict[int, deque[Sequence]] = {}
         self.seqs: dict[int, Sequence] = {}

@@ -58,6 +58,8 @@ class Sequence:
     block_hashes: list[BlockHash] = field(default_factory=list)  # full blocks of token_ids
     num_registered: int = 0  # leading full blocks already offered to the prefix cache
     synced_blocks: int = 0  # leading table entries the model runner already holds
+    #: Blocks ``[start, end)`` reserved for this table to grow into (``BlockPool``'s windows).
+    kv_window: tuple[int, int] = (0, 0)
     admitted_once: bool = False
 
     @property

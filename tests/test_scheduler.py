@@ -83,6 +83,52 @@ def test_acquire_removes_cached_block_from_free_queue() -> None:
     assert b not in [pool.allocate(), pool.allocate()]
 
 
+# ------------------------------------------------------------ windows
+def consecutive(table: list[int]) -> bool:
+    return table == list(range(table[0], table[0] + len(table)))
+
+
+def test_sequences_growing_side_by_side_each_stay_in_one_run_of_blocks() -> None:
+    """Two sequences decoding at once: each is placed in a window long enough for its prompt
+    and max_tokens, so the other one's first block is never its next one (before windows, the
+    second took block 1, right after the first's block 0, and the two tables interleaved)."""
+    s = make(num_blocks=64, block_size=4)
+    stop = StopConditions(max_tokens=28, ignore_eos=True)  # 32 tokens in all: 8 blocks each
+    a = s.add_sequence("a", [1, 2, 3, 4], stop)
+    b = s.add_sequence("b", [5, 6, 7, 8], stop)
+    for _ in range(27):  # the prompt's step and 26 decode steps: 31 tokens computed
+        run_step(s)
+        assert consecutive(a.block_table) and consecutive(b.block_table)
+    assert len(a.block_table) == len(b.block_table) == 8
+    assert not set(a.block_table) & set(b.block_table)
+    assert s.pool.stats.moved_blocks == 0  # fresh blocks, nothing cached in the way
+
+
+def test_a_window_is_a_preference_not_a_reservation() -> None:
+    """Windows are placed on open runs only, and never hold back admission: a sequence arriving
+    when no open block is left takes blocks from the queue, inside others' windows; every
+    sequence finishes and leaves no window behind."""
+    s = make(num_blocks=12, block_size=4)
+    a = s.add_sequence("a", [1, 2, 3, 4], StopConditions(max_tokens=24, ignore_eos=True))
+    run_step(s)
+    assert a.block_table == [0] and a.kv_window == (0, 7)  # 28 tokens: 7 blocks
+    b = s.add_sequence("b", list(range(10, 22)), STOP)  # 28 blocks wanted: 3 found open
+    run_step(s)
+    assert b.block_table == [7, 8, 9] and b.kv_window == (7, 10)
+    assert s.pool.reserved == bytearray([1] * 10 + [0, 0])
+    c = s.add_sequence("c", list(range(30, 38)), STOP)  # 2 blocks; 10 and 11 open
+    out = run_step(s)
+    assert c.seq_id in {x.seq_id for x in out.scheduled}
+    assert b.block_table == [7, 8, 9, 10]  # grew past its window into an open block
+    assert c.block_table == [11, 2]  # the last open block, then the queue's front (a's)
+    assert a.block_table == [0, 1]
+    for _ in range(200):
+        if not s.has_work():
+            break
+        run_step(s)
+    assert not s.has_work() and s.pool.num_free == 12 and not any(s.pool.reserved)
+
+
 # ------------------------------------------------------------ chunked prefill
 def test_chunked_prefill_spends_one_budget_running_first() -> None:
     s = make(num_blocks=64, block_size=4, budget=32)

@@ -27,9 +27,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         budget=st.integers(min_value=1, max_value=40),
         max_seqs=st.integers(min_value=1, max_value=6),
         caching=st.booleans(),
+        windows=st.booleans(),
     )
     def setup(
-        self, num_blocks: int, block_size: int, budget: int, max_seqs: int, caching: bool
+        self,
+        num_blocks: int,
+        block_size: int,
+        budget: int,
+        max_seqs: int,
+        caching: bool,
+        windows: bool,
     ) -> None:
         self.sched = Scheduler(
             SchedulerConfig(
@@ -38,6 +45,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 max_num_seqs=max_seqs,
                 max_num_batched_tokens=budget,
                 enable_prefix_caching=caching,
+                kv_windows=windows,
             )
         )
         self.shadow: dict[int, tuple] = {}  # slot -> (salt, token prefix)
@@ -158,8 +166,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         pool = self.sched.pool
         in_use = sum(1 for r in pool.ref_counts if r > 0)
         assert pool.num_free + in_use == pool.num_blocks
-        for b in pool._free:
+        for b in pool.free_blocks():
             assert pool.ref_counts[b] == 0, "a free block is referenced"
+        # The queue's two parts: blocks holding no prefix, and those holding one under the
+        # stamp of their recency (a moved prefix keeps its stamp).
+        assert all(pool._hash_of[b] is None for b in pool._fresh)
+        assert all(
+            pool._hash_of[b] is not None and pool._stamp[b] == k for k, b in pool._lru.items()
+        )
+        assert len(set(pool.free_blocks())) == pool.num_free
         # The snapshot's per-block states, block by block from the counts and the prefix table.
         occ = pool.occupancy()
         expected = bytes(
@@ -187,13 +202,33 @@ class SchedulerMachine(RuleBasedStateMachine):
     @invariant()
     def prefix_table_is_consistent(self) -> None:
         """Every cached hash names a block that holds it, and only those blocks are marked
-        (``BlockPool.allocate_after`` moves prefixes between blocks)."""
+        (``BlockPool.take`` moves prefixes between blocks)."""
         pool = self.sched.pool
         for block_hash, block in pool._cached.items():
             assert pool._hash_of[block] == block_hash and pool._hashed[block] == 1
             assert pool._tokens_of[block] is not None
         assert sum(pool._hashed) == len(pool._cached)
         assert sum(h is not None for h in pool._hash_of) == len(pool._cached)
+
+    @invariant()
+    def windows_are_disjoint_and_open_blocks_free(self) -> None:
+        """Each sequence's window (``BlockPool``'s class docstring) is its own: no two overlap,
+        the pool's reserved bytes are exactly their union, a waiting sequence has none, and
+        the open blocks (where a window may be placed) are the free blocks outside every
+        window and this step's prefix-move destinations."""
+        pool = self.sched.pool
+        marked = bytearray(pool.num_blocks)
+        for seq in self.sched.seqs.values():
+            lo, hi = seq.kv_window
+            if seq.status is SequenceStatus.WAITING:
+                assert (lo, hi) == (0, 0)
+            assert not any(marked[lo:hi]), "two windows overlap"
+            marked[lo:hi] = b"\x01" * (hi - lo)
+        assert pool.reserved == marked
+        expected = bytearray(
+            not (r or marked[b] or b in pool._moved_to) for b, r in enumerate(pool.ref_counts)
+        )
+        assert pool._open == expected
 
     @invariant()
     def prefixes_stay_found_until_an_eviction(self) -> None:

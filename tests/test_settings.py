@@ -144,6 +144,8 @@ def test_switches_take_both_spellings() -> None:
     assert placed("--engine-process", "--no-engine-process") is False
     assert engine_config(parse_args(["--model=m", "--no-greedy-screen"])).greedy_screen is False
     assert engine_config(parse_args(["--model=m", "--greedy-screen"])).greedy_screen is True
+    assert EngineConfig().kv_windows is True
+    assert engine_config(parse_args(["--model=m", "--no-kv-windows"])).kv_windows is False
 
 
 def test_help_prints_every_flag(capsys: pytest.CaptureFixture[str]) -> None:

@@ -81,6 +81,7 @@ class Engine:
                 max_num_seqs=cfg.max_num_seqs,
                 max_num_batched_tokens=cfg.max_num_batched_tokens,
                 enable_prefix_caching=cfg.enable_prefix_caching,
+                kv_windows=cfg.kv_windows,
             )
         )
         self.sampler = Sampler()

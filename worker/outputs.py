@@ -68,6 +68,16 @@ class EngineConfig:
     enable_prefix_caching: bool = field(
         default=True, metadata=opt("turn off prefix caching", flag="--no-prefix-caching")
     )
+    #: scheduler.block_pool.BlockPool's windows: same tokens either way, a layout choice.
+    kv_windows: bool = field(
+        default=True,
+        metadata=opt(
+            "place each sequence's KV blocks from the first free block of the queue, not in a "
+            "run of free blocks kept for it to grow into (its block table then scatters once the "
+            "pool has turned over: the CPU decode kernel reads it slower)",
+            flag="--no-kv-windows",
+        ),
+    )
     #: After loading, move every object that exists then out of the cyclic collector's sight
     #: (``gc.freeze``) and raise its youngest generation's threshold: see
     #: :meth:`worker.engine.Engine._freeze_gc`. Process-wide.
