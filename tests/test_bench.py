@@ -789,3 +789,34 @@ def test_kv_layout_counts_adjacency_and_builds_same_length_layouts() -> None:
     assert sets["in_order"][0][0] == [0, 1] and sets["in_order"][1][0] == [2, 3, 4]
     picked = [b for t, _ in sets["random"] for b in t]
     assert len(picked) == 5 == len(set(picked)) and all(0 <= b < 16 for b in picked)
+
+
+def test_kv_replay_compares_allocator_policies_on_the_bare_scheduler(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``bench.kv_replay``: both policies per pool size over the same seeds. In a pool with room
+    for every wave (12 requests of at most 48 blocks), windows keep the running tables in
+    consecutive blocks; a new table at the queue's front breaks some of them. The chats' second
+    turn extends the first's prompts: the prefix cache serves part of it under either policy."""
+    from bench import kv_replay
+
+    kv_replay.main(["--blocks", "1024", "--seeds", "2", "--waves", "2", "--requests", "12",
+                    "--chats", "6", "--turns", "2"])  # fmt: skip
+    rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rec["bench"] == "kv_replay" and rec["seeds"] == 2
+    got = {r["policy"]: r for r in rec["results"]}
+    assert set(got) == {"windows", "front"} and all(r["blocks"] == 1024 for r in got.values())
+    assert min(got["windows"]["adjacent_by_wave"]) >= 0.99
+    assert got["windows"]["adjacent_by_wave"][-1] > got["front"]["adjacent_by_wave"][-1]
+    for r in got.values():
+        assert len(r["last_wave_adjacent_by_seed"]) == 2 == len(r["last_turn_hits_by_seed"])
+        first, second = r["chat_hit_rate_by_turn"]
+        assert first == 0.0 and 0 < second <= 1
+        assert r["preemptions"] == 0
+
+
+def test_kv_replay_rejects_an_unknown_policy() -> None:
+    from bench import kv_replay
+
+    with pytest.raises(SystemExit):
+        kv_replay.parse_args(["--policies", "windows,best"])
