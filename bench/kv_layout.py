@@ -12,7 +12,7 @@ allocator moves both, so this benchmark measures both, on the real engine:
   entries are counted as ``adjacent`` (the next block), ``descending`` (the previous one) or
   ``scattered``. The first wave is a fresh pool; the last ones the steady state of a worker.
   ``prefixes_moved``: cached prefixes moved so far to let a table take its next block
-  (``BlockPool.allocate_after``), each a block copy.
+  (``BlockPool.take``), each a block copy.
 * ``decode``: the C decode kernel, per head shape (``--shapes``), over the tables of the last
   wave's busiest sampled step (``engine``), the same rows laid out in consecutive blocks
   (``in_order``) and at random (``random``), from DRAM (``bench.kernels.cold_gbps``), beside a

@@ -434,7 +434,7 @@ def test_lazy_detokenizer_renders_what_the_token_by_token_one_does(
 def test_moved_prefixes_keep_their_kv_when_tables_grow_in_place(make_tiny_model) -> None:
     """Turns of conversations in two groups on a small pool: a growing table takes the block
     after its last one, moving the prefix that block cached (the other group's history) into the
-    block at the front of the free queue (``BlockPool.allocate_after``). The other group's next
+    block at the front of the free queue (``BlockPool.take``). The other group's next
     turn then reads its history from the moved blocks: greedy tokens still equal transformers'."""
     model_dir = make_tiny_model("llama")
     llm = LLM(model_dir, block_size=8, num_kv_blocks=40, max_num_batched_tokens=64)
