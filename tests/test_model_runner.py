@@ -64,6 +64,26 @@ def test_tables_persist_and_copies_happen_before_the_pass(make_tiny_model) -> No
     assert not runner._row_of
 
 
+def test_block_copies_read_every_source_before_writing(make_tiny_model) -> None:
+    """A step's copies as one gather then one scatter: block by block on a CPU when no
+    destination is also a source; a chain (5 -> 6, 6 -> 7) keeps the gather first, so block 7
+    gets block 6's old contents, not block 5's."""
+    model_dir = make_tiny_model("llama")
+    runner = ModelRunner(model_dir, EngineConfig(block_size=4, num_kv_blocks=16))
+    cache = runner._cache
+    cache.copy_(torch.randn_like(cache))
+    before = cache.clone()
+    runner._copy_blocks([(2, 9), (3, 11), (4, 0)])  # disjoint: the per-block path
+    for src, dst in [(2, 9), (3, 11), (4, 0)]:
+        assert torch.equal(cache[:, :, dst], before[:, :, src])
+    untouched = [b for b in range(16) if b not in (9, 11, 0)]
+    assert torch.equal(cache[:, :, untouched], before[:, :, untouched])
+    before = cache.clone()
+    runner._copy_blocks([(5, 6), (6, 7)])
+    assert torch.equal(cache[:, :, 6], before[:, :, 5])
+    assert torch.equal(cache[:, :, 7], before[:, :, 6])
+
+
 def _run_probe(
     code: str, model_dir: Path, variable: str, setting: str | None, arg: str = "-"
 ) -> subprocess.CompletedProcess[str]:
