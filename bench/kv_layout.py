@@ -61,13 +61,15 @@ def shares(counts: Counter[str]) -> dict[str, float]:
     return {k: round(counts[k] / total, 3) for k in keys} | {"pairs": sum(counts.values())}
 
 
-def run_waves(engine: Any, waves: int, requests: int, vocab: int) -> tuple[list[dict], Tables]:
-    """The ``mixed`` workload ``waves`` times; each wave's adjacency, and the last wave's
-    busiest sampled tables."""
+def run_waves(
+    engine: Any, waves: int, requests: int, vocab: int, seed: int = 0
+) -> tuple[list[dict], Tables]:
+    """The ``mixed`` workload ``waves`` times (wave ``w`` from seed ``1000 * seed + w``); each
+    wave's adjacency, and the last wave's busiest sampled tables."""
     sched, steps, out = engine.scheduler, 0, []
     busiest: Tables = []
     for wave in range(waves):
-        wl = make_mixed(requests, vocab, seed=wave)
+        wl = make_mixed(requests, vocab, seed=1000 * seed + wave)
         for i, (prompt, params) in enumerate(zip(wl.prompts, params_of(wl), strict=True)):
             engine.add_request(f"w{wave}-{i}", prompt, params, stream=False)
         counts: Counter[str] = Counter()

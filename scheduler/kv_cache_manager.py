@@ -127,23 +127,15 @@ class KVCacheManager:
         lo, hi = seq.kv_window
         if table:
             want = table[-1] + 1
-            mine = lo <= want < hi
-            if (
-                want < pool.num_blocks
-                and (mine or not pool.reserved[want])
-                and pool.take(want, copies)
-            ):
+            free_to_me = want < pool.num_blocks and (lo <= want < hi or not pool.reserved[want])
+            if free_to_me and pool.take(want, copies):
                 return want
-        if hi > lo:
-            pool.unreserve(lo, hi)
-            seq.kv_window = (0, 0)
+        self._close_window(seq)
         if self.windows:
             block = self._open_window(seq)
             if block is not None and pool.take(block, copies):
                 return block
-            if seq.kv_window != (0, 0):
-                pool.unreserve(*seq.kv_window)
-                seq.kv_window = (0, 0)
+            self._close_window(seq)
         block = pool.allocate()
         assert block is not None, "the caller checked the pool's free blocks"
         return block
@@ -159,6 +151,12 @@ class KVCacheManager:
         self.pool.reserve(*run)
         seq.kv_window = run
         return run[0]
+
+    def _close_window(self, seq: Sequence) -> None:
+        """Give back what is left of ``seq``'s window, if it has one."""
+        if seq.kv_window[1] > seq.kv_window[0]:
+            self.pool.unreserve(*seq.kv_window)
+            seq.kv_window = (0, 0)
 
     def emit(self, seq: Sequence, n: int) -> ScheduledSequence:
         """Schedule the next ``n`` tokens of ``seq`` into blocks it already holds.
@@ -215,10 +213,7 @@ class KVCacheManager:
         """Drop every block of ``seq`` (their prefixes stay cached until evicted)."""
         self.pool.release_table(seq.block_table)
         seq.block_table = []
-        lo, hi = seq.kv_window
-        if hi > lo:
-            self.pool.unreserve(lo, hi)
-            seq.kv_window = (0, 0)
+        self._close_window(seq)
 
     def occupancy(self, running: list[Sequence], with_tables: bool = False) -> PoolOccupancy:
         """The pool snapshot plus the token fill of the blocks the running sequences hold."""
