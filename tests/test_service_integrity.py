@@ -106,7 +106,13 @@ def test_follower_of_a_reclaimed_job_sees_its_result_exactly(
     redis_url: str, model_dir: Path, start_worker: StartWorker
 ) -> None:
     client = Client(redis_url)
-    params = {"max_tokens": 240, "temperature": 0, "ignore_eos": True}
+    # Long enough that worker "a" is still generating when it is killed: with 240 tokens it
+    # had finished between the poll that saw 40 and the kill in 5 of 8 runs on a Zen 4 (the
+    # tiny model steps in about a millisecond), and the job then succeeded on "a". The test
+    # workers' context (512) would end the job at 500: both get the model's 2048.
+    max_tokens = 2000
+    long_context = ("--max-model-len", "2048")
+    params = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     jid = client.submit([7] * 12, params)
     events: list[DeltaEvent] = []
     errors: list[BaseException] = []
@@ -119,10 +125,10 @@ def test_follower_of_a_reclaimed_job_sees_its_result_exactly(
 
     t = threading.Thread(target=follow)
     t.start()
-    a = start_worker(redis_url, model_dir, "a")
+    a = start_worker(redis_url, model_dir, "a", *long_context)
     wait_for(lambda: (r := client.get(jid)) and r.tokens_generated >= 40, what="40 tokens")
     a.kill()
-    start_worker(redis_url, model_dir, "b")
+    start_worker(redis_url, model_dir, "b", *long_context)
     rec = client.wait(jid, timeout=120)
     t.join(timeout=30)
     assert not errors and rec.status == JobStatus.SUCCEEDED and rec.worker == "b"
@@ -132,7 +138,7 @@ def test_follower_of_a_reclaimed_job_sees_its_result_exactly(
     acc = accumulate(events)
     assert acc.token_ids == {0: rec.result.completions[0].token_ids}
     assert acc.texts == {0: rec.result.completions[0].text} and acc.restarts == 1
-    assert len(rec.result.completions[0].token_ids) == 240
+    assert len(rec.result.completions[0].token_ids) == max_tokens
 
 
 def test_job_state_replay_resends_everything_after_a_restart(redis_url: str) -> None:
