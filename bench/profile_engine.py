@@ -5,8 +5,14 @@ Pass 1 wraps engine, scheduler, runner, attention backend (and its C decode kern
 detokenizer and the projections (``worker.models.layers.linear``) with perf_counter accumulators
 (a few microseconds per call) and reports each phase's share of wall time, and the projections'
 GFLOP/s by row count (``linear_by_rows``: rows rounded up to a power of two; decode steps are the
-tens of rows, prefill the thousands). Pass 2 (``--torch-profiler``) runs a smaller slice under
-torch.profiler and lists the top aten ops by self CPU time. Prints one JSON line.
+tens of rows, prefill the thousands). ``decode_attention``: the K/V bytes the C decode kernel read
+over the run (each row's tokens from its first block on, K and V), its seconds, its GB/s and that
+over a plain read of a 128 MiB buffer sampled every 16 steps during the run (the median; a shared
+host's read rate moved 32-61 GB/s between runs minutes apart, so a read measured once before or
+after compares unlike phases): issue #17's "decode attention at 0.8 of the read", on the engine's
+own tables and batches. The samples' time is left out of ``wall_s`` and every phase. Pass 2
+(``--torch-profiler``) runs a smaller slice under torch.profiler and lists the top aten ops by
+self CPU time. Prints one JSON line.
 
     python -m bench.profile_engine [--model DIR] [--workload mixed] [--requests 48]
         [--weight-dtype auto|bfloat16|int8] [--kv-cache-dtype auto|bfloat16] [--torch-profiler]
@@ -15,6 +21,7 @@ torch.profiler and lists the top aten ops by self CPU time. Prints one JSON line
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 import time
 from collections import defaultdict
@@ -37,6 +44,12 @@ CALLS: dict[str, int] = defaultdict(int)
 #: Projection seconds and FLOPs by row bucket (rows rounded up to a power of two).
 LINEAR_S: dict[int, float] = defaultdict(float)
 LINEAR_FLOPS: dict[int, float] = defaultdict(float)
+#: The C decode kernel's K/V bytes read and seconds (``record_decode``).
+DECODE: dict[str, float] = defaultdict(float)  # "bytes" (an integer count), "s"
+#: Plain-read samples taken between steps: GB/s each, and their seconds (out of the wall).
+READS: list[float] = []
+READ_S: list[float] = [0.0]
+READ_BYTES, READ_EVERY = 128 << 20, 16
 
 
 def timer(
@@ -71,6 +84,57 @@ def record_linear(dt: float, x: Any, weight: Any, *_: Any) -> None:
     LINEAR_FLOPS[bucket] += 2.0 * rows * x.shape[-1] * weight.shape[0]
 
 
+def record_decode(dt: float, _kernel: Any, _query: Any, k_cache: Any, _v: Any, _tables: Any,
+                  rows: Any, _scale: float, window: int | None, *_: Any) -> None:  # fmt: skip
+    """The K/V bytes one call of ``NativeDecode.decode`` reads: every row's tokens from its
+    first block on (the blocks before are a shared prefix the cascade read), at most ``window``
+    of them, each token's K and V of every KV head (cache ``[blocks, block_size, kv_heads, D]``)."""
+    tokens = rows.seq_lens - rows.first_block * k_cache.shape[1]
+    if window:
+        tokens = tokens.clamp(max=window)
+    per_token = 2 * k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()
+    DECODE["bytes"] += int(tokens.sum()) * per_token
+    DECODE["s"] += dt
+
+
+def sampling_reads(step: Callable[..., Any]) -> Callable[..., Any]:
+    """``Engine.step`` preceded, every ``READ_EVERY`` calls, by one timed sum over a buffer
+    larger than the L3 (cold: the steps between read the weights and K/V)."""
+    import torch
+
+    buf = torch.ones(READ_BYTES // 4)
+    calls = [0]
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] % READ_EVERY == 1:
+            t0 = time.perf_counter()
+            buf.sum()
+            dt = time.perf_counter() - t0
+            READS.append(READ_BYTES / dt / 1e9)
+            READ_S[0] += dt
+        return step(*args, **kwargs)
+
+    return wrapped
+
+
+def decode_table() -> dict[str, Any]:
+    """The decode kernel's read rate beside the plain reads sampled during the run."""
+    if not DECODE["s"] or not READS:
+        return {}
+    gbps = DECODE["bytes"] / DECODE["s"] / 1e9
+    read = statistics.median(READS)
+    return {
+        "kv_bytes": int(DECODE["bytes"]),
+        "s": round(DECODE["s"], 3),
+        "gbps": round(gbps, 2),
+        "read_gbps": round(read, 2),
+        "read_samples": len(READS),
+        "read_gbps_range": [round(min(READS), 2), round(max(READS), 2)],
+        "fraction_of_read": round(gbps / read, 3),
+    }
+
+
 def linear_table() -> list[dict[str, Any]]:
     total = sum(LINEAR_S.values()) or 1.0
     return [
@@ -100,6 +164,7 @@ def install_timers() -> None:
     from worker.sampler import Sampler
 
     patch(Engine, "step", "engine.step")
+    Engine.step = sampling_reads(Engine.step)
     patch(Scheduler, "schedule", "scheduler.schedule")
     patch(Scheduler, "postprocess", "scheduler.postprocess")
     patch(ModelRunner, "execute", "runner.execute")
@@ -116,7 +181,7 @@ def install_timers() -> None:
     patch(Engine, "_on_token", "engine.on_token")
     patch(Engine, "_output", "engine.output")
     patch(IncrementalDetokenizer, "add", "detok.add")
-    patch(NativeDecode, "decode", "attn.native_decode")
+    NativeDecode.decode = timer("attn.native_decode", NativeDecode.decode, record_decode)
     # the tiled kernel: causal prefill chunks, and the cascade's shared prefixes where the
     # policy runs them in C (native_prefill counts both calls)
     patch(NativeDecode, "prefill", "attn.native_prefill")
@@ -150,12 +215,14 @@ def run_workload(
     llm = LLM(model, dtype="float32", max_model_len=wl.max_model_len, kv_cache_memory=2 << 30,
               weight_dtype=weight_dtype, kv_cache_dtype=kv_cache_dtype)  # fmt: skip
     llm.generate([[10, 11, 12, 13]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    for acc in (TOTALS, CALLS, LINEAR_S, LINEAR_FLOPS):
+    for acc in (TOTALS, CALLS, LINEAR_S, LINEAR_FLOPS, DECODE):
         acc.clear()
+    READS.clear()
+    READ_S[0] = 0.0
     params = params_of(wl)
     t0 = time.perf_counter()
     llm.generate([{"prompt_token_ids": p} for p in wl.prompts], params, use_tqdm=False)
-    return time.perf_counter() - t0, wl.prompt_tokens, wl.output_tokens
+    return time.perf_counter() - t0 - READ_S[0], wl.prompt_tokens, wl.output_tokens
 
 
 def phase_table(wall: float) -> dict[str, Any]:
@@ -229,6 +296,7 @@ def main() -> None:
         "output_tok_s": round(otok / wall, 1),
         **phase_table(wall),
         "linear_by_rows": linear_table(),
+        "decode_attention": decode_table(),
         "torch_top_ops": ops,
         "note": "2 shared CPU cores: noisy; timers add a few us per call",
     }

@@ -271,6 +271,37 @@ def test_profile_engine_reports_the_bfloat16_mode_by_phase(tiny_model_dir: Path)
             assert body["phases"][op]["calls"] > 0
 
 
+def test_profile_engine_counts_every_kv_byte_decode_attention_reads(tiny_model_dir: Path) -> None:
+    """``decode_attention``: on ``uniform`` (128 prompt + 128 output tokens, random prompts: no
+    shared prefix), every output token after the first is one decode row reading its whole
+    context, so the kernel's K/V bytes are exactly each layer's sum of those contexts; the rate
+    is those bytes over the kernel's seconds, and the fraction that rate over the median of the
+    plain reads sampled between steps."""
+    import torch
+
+    from kernels import native
+
+    if native.load(torch.float32) is None:
+        pytest.skip("no native decode kernel here")
+    requests, prompt, out = 3, 128, 128
+    cmd = [sys.executable, "-m", "bench.profile_engine", "--model", str(tiny_model_dir),
+           "--workload", "uniform", "--requests", str(requests)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])["decode_attention"]
+    cfg = json.loads((tiny_model_dir / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_token = 2 * cfg["num_key_value_heads"] * head_dim * 4  # K and V, float32
+    contexts = sum(range(prompt + 1, prompt + out))  # the decode rows' lengths, new token included
+    assert got["kv_bytes"] == requests * cfg["num_hidden_layers"] * contexts * per_token
+    assert got["s"] > 0 and got["read_gbps"] > 0
+    lo, hi = got["read_gbps_range"]  # ~130 steps: a read sampled every 16th
+    assert got["read_samples"] >= 8 and lo <= got["read_gbps"] <= hi
+    # the rate is the unrounded bytes over the unrounded seconds ("s" is rounded to the ms)
+    assert got["kv_bytes"] / 1e9 / got["gbps"] == pytest.approx(got["s"], rel=0.01, abs=6e-4)
+    assert got["fraction_of_read"] == pytest.approx(got["gbps"] / got["read_gbps"], abs=0.002)
+
+
 def test_a_gpu_run_leaves_vllm_cpu_out() -> None:
     """``--device cuda``: vLLM-CPU is refused when named and left out of the default set; the
     placement and hf-static's batch sizes parse."""
