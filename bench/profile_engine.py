@@ -46,9 +46,8 @@ LINEAR_S: dict[int, float] = defaultdict(float)
 LINEAR_FLOPS: dict[int, float] = defaultdict(float)
 #: The C decode kernel's K/V bytes read and seconds (``record_decode``).
 DECODE: dict[str, float] = defaultdict(float)  # "bytes" (an integer count), "s"
-#: Plain-read samples taken between steps: GB/s each, and their seconds (out of the wall).
-READS: list[float] = []
-READ_S: list[float] = [0.0]
+#: Seconds of each plain read of ``READ_BYTES`` sampled between steps (left out of the wall).
+READ_TIMES: list[float] = []
 READ_BYTES, READ_EVERY = 128 << 20, 16
 
 
@@ -110,9 +109,7 @@ def sampling_reads(step: Callable[..., Any]) -> Callable[..., Any]:
         if calls[0] % READ_EVERY == 1:
             t0 = time.perf_counter()
             buf.sum()
-            dt = time.perf_counter() - t0
-            READS.append(READ_BYTES / dt / 1e9)
-            READ_S[0] += dt
+            READ_TIMES.append(time.perf_counter() - t0)
         return step(*args, **kwargs)
 
     return wrapped
@@ -120,17 +117,18 @@ def sampling_reads(step: Callable[..., Any]) -> Callable[..., Any]:
 
 def decode_table() -> dict[str, Any]:
     """The decode kernel's read rate beside the plain reads sampled during the run."""
-    if not DECODE["s"] or not READS:
+    if not DECODE["s"] or not READ_TIMES:
         return {}
     gbps = DECODE["bytes"] / DECODE["s"] / 1e9
-    read = statistics.median(READS)
+    reads = [READ_BYTES / t / 1e9 for t in READ_TIMES]
+    read = statistics.median(reads)
     return {
         "kv_bytes": int(DECODE["bytes"]),
         "s": round(DECODE["s"], 3),
         "gbps": round(gbps, 2),
         "read_gbps": round(read, 2),
-        "read_samples": len(READS),
-        "read_gbps_range": [round(min(READS), 2), round(max(READS), 2)],
+        "read_samples": len(reads),
+        "read_gbps_range": [round(min(reads), 2), round(max(reads), 2)],
         "fraction_of_read": round(gbps / read, 3),
     }
 
@@ -217,12 +215,11 @@ def run_workload(
     llm.generate([[10, 11, 12, 13]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     for acc in (TOTALS, CALLS, LINEAR_S, LINEAR_FLOPS, DECODE):
         acc.clear()
-    READS.clear()
-    READ_S[0] = 0.0
+    READ_TIMES.clear()
     params = params_of(wl)
     t0 = time.perf_counter()
     llm.generate([{"prompt_token_ids": p} for p in wl.prompts], params, use_tqdm=False)
-    return time.perf_counter() - t0 - READ_S[0], wl.prompt_tokens, wl.output_tokens
+    return time.perf_counter() - t0 - sum(READ_TIMES), wl.prompt_tokens, wl.output_tokens
 
 
 def phase_table(wall: float) -> dict[str, Any]:
