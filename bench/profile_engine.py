@@ -125,12 +125,18 @@ def decode_table() -> dict[str, Any]:
     return {
         "kv_bytes": int(DECODE["bytes"]),
         "s": round(DECODE["s"], 3),
-        "gbps": round(gbps, 2),
-        "read_gbps": round(read, 2),
+        "gbps": sig(gbps),
+        "read_gbps": sig(read),
         "read_samples": len(reads),
-        "read_gbps_range": [round(min(reads), 2), round(max(reads), 2)],
-        "fraction_of_read": round(gbps / read, 3),
+        "read_gbps_range": [sig(min(reads)), sig(max(reads))],
+        "fraction_of_read": sig(gbps / read),
     }
+
+
+def sig(x: float, digits: int = 4) -> float:
+    """``x`` to ``digits`` significant figures: a tiny model on a loaded host reads K/V at a few
+    hundredths of a GB/s, where two decimals would keep one digit."""
+    return float(f"{x:.{digits}g}")
 
 
 def linear_table() -> list[dict[str, Any]]:

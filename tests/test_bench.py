@@ -297,9 +297,26 @@ def test_profile_engine_counts_every_kv_byte_decode_attention_reads(tiny_model_d
     assert got["s"] > 0 and got["read_gbps"] > 0
     lo, hi = got["read_gbps_range"]  # ~130 steps: a read sampled every 16th
     assert got["read_samples"] >= 8 and lo <= got["read_gbps"] <= hi
-    # the rate is the unrounded bytes over the unrounded seconds ("s" is rounded to the ms)
+    # the rate is the unrounded bytes over the unrounded seconds ("s" is rounded to the ms, the
+    # rates to four significant figures)
     assert got["kv_bytes"] / 1e9 / got["gbps"] == pytest.approx(got["s"], rel=0.01, abs=6e-4)
     assert got["fraction_of_read"] == pytest.approx(got["gbps"] / got["read_gbps"], abs=0.002)
+
+
+def test_decode_table_keeps_four_figures_of_a_slow_rate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiny model on a loaded CI host: 56 MB of K/V in 2.02 s is 0.0278 GB/s, which two decimals
+    would have turned into 0.03 (a rate 8% off its bytes and seconds); four figures keep it."""
+    from bench import profile_engine as pe
+
+    monkeypatch.setattr(pe, "DECODE", {"bytes": 56_180_736, "s": 2.0215})
+    monkeypatch.setattr(pe, "READ_TIMES", [0.004, 0.0045, 0.005])
+    got = pe.decode_table()
+    assert got["gbps"] == pytest.approx(56_180_736 / 2.0215 / 1e9, rel=5e-4)
+    assert got["kv_bytes"] / 1e9 / got["gbps"] == pytest.approx(got["s"], rel=1e-3)
+    read = (128 << 20) / 0.0045 / 1e9
+    assert got["read_gbps"] == pytest.approx(read, rel=5e-4) and got["read_samples"] == 3
+    assert got["read_gbps_range"][0] < got["read_gbps"] < got["read_gbps_range"][1]
+    assert got["fraction_of_read"] == pytest.approx(got["gbps"] / read, rel=1e-3)
 
 
 def test_a_gpu_run_leaves_vllm_cpu_out() -> None:
