@@ -139,6 +139,20 @@ def test_bench_preset_shape_and_parameter_count(family: str) -> None:
     assert n_params == 29_368_832 + biases
 
 
+def test_qwen2_05b_preset_has_the_published_shape() -> None:
+    """``qwen2-0.5b``: Qwen2-0.5B's numbers (GQA 7 on heads of 64, tied output head), 494,032,768
+    parameters as the published checkpoint counts them."""
+    from transformers import AutoModelForCausalLM
+
+    shape = preset_shape("qwen2", "qwen2-0.5b")
+    assert (shape.num_heads, shape.num_kv_heads, shape.head_dim) == (14, 2, 64)
+    config = hf_config_for("qwen2", "qwen2-0.5b", shape, torch.float32)
+    assert config.tie_word_embeddings
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert sum(p.numel() for p in model.parameters()) == 494_032_768
+
+
 def test_cli_writes_a_loadable_checkpoint(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

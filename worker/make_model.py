@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2")
-PRESETS: tuple[str, ...] = ("tiny", "small", "bench")
+PRESETS: tuple[str, ...] = ("tiny", "small", "bench", "qwen2-0.5b")
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -65,6 +65,8 @@ class Shape:
     vocab_size: int
     max_position_embeddings: int = 2048
     corpus_chars: int = 200_000
+    #: The output head is the embedding (Qwen2's small models); the tiny presets tie anyway.
+    tie_embeddings: bool = False
 
 
 PRESET_SHAPES: dict[str, Shape] = {
@@ -72,6 +74,12 @@ PRESET_SHAPES: dict[str, Shape] = {
     "small": Shape(256, 768, 4, 8, 4, 32, 2048, corpus_chars=150_000),
     # The peers' benchmark checkpoint: ~29.4M parameters with untied embeddings.
     "bench": Shape(512, 1536, 8, 8, 4, 64, 4096, corpus_chars=300_000),
+    # Qwen2-0.5B's published shape (494M parameters, tied; 14 query heads on 2 KV heads of 64:
+    # GQA 7, the decode kernel's widest group), to compare engines on it without the hub. Its
+    # 151,936-entry vocabulary is mostly reserved tokens past what the corpus teaches.
+    "qwen2-0.5b": Shape(
+        896, 4864, 24, 14, 2, 64, 151_936, 4096, corpus_chars=300_000, tie_embeddings=True
+    ),
 }
 
 
@@ -124,7 +132,7 @@ def hf_config_for(family: str, preset: str, shape: Shape, dtype: torch.dtype) ->
         )
     return Qwen2Config(
         **common,
-        tie_word_embeddings=preset == "tiny",
+        tie_word_embeddings=preset == "tiny" or shape.tie_embeddings,
         use_sliding_window=False,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
     )
