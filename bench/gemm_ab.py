@@ -58,11 +58,16 @@ class Case:
         return sum(2.0 * self.rows * n * k for n, k in self.shapes)
 
 
-def cases(rows: list[int], cold_rows: list[int], layers: int) -> list[Case]:
+def cases(
+    rows: list[int],
+    cold_rows: list[int],
+    layers: int,
+    models: tuple[str, ...] = ("bench", "smollm2"),
+) -> list[Case]:
     hot = [
         Case(f"hot {model} {name} x {m}", [MODELS[model][name]], m, 3)
         for m in rows
-        for model in ("bench", "smollm2")
+        for model in models
         for name in HOT_SHAPES
     ]
     smollm2 = list(MODELS["smollm2"].values())
@@ -154,6 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rows", default="2048", help="hot products' rows, comma list")
     ap.add_argument("--cold-rows", default="16,64", help="cold passes' rows, comma list")
     ap.add_argument("--layers", type=int, default=30, help="SmolLM2 layers of a cold pass")
+    ap.add_argument("--models", default="bench,smollm2", help="hot products' shapes (gemm_libs)")
     ap.add_argument("--bf16", action="store_true", help="bfloat16 panels (AVX512-BF16 / AMX)")
     ap.add_argument("--no-amx", action="store_true", help="--bf16 through vdpbf16ps on AMX CPUs")
     ap.add_argument("--int8", action="store_true", help="int8 panels (--weight-dtype int8)")
@@ -176,7 +182,11 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("--bf16: a build here has no bfloat16 path (AVX512-BF16)")
     rows = [int(r) for r in args.rows.split(",") if r]
     cold_rows = [int(r) for r in args.cold_rows.split(",") if r]
-    todo = cases(rows, cold_rows, args.layers)
+    models = tuple(m for m in args.models.split(",") if m)
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        ap.error(f"--models: unknown {', '.join(unknown)} (known: {', '.join(MODELS)})")
+    todo = cases(rows, cold_rows, args.layers, models)
     amx = False if args.no_amx else None  # None: each build's own choice (its tiles if any)
     results = [
         compare(libs, case, args.rounds, args.bf16, amx, args.swiglu, args.int8) for case in todo

@@ -39,6 +39,13 @@ from worker.models.layers import linear
 MODELS: dict[str, dict[str, tuple[int, int]]] = {
     "bench": {"qkv": (1024, 512), "o": (512, 512), "gate_up": (3072, 512), "down": (512, 1536)},
     "smollm2": {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)},
+    # Qwen2-0.5B (make_model's qwen2-0.5b preset): a K of 4864 in the down product
+    "qwen2-0.5b": {
+        "qkv": (1152, 896),
+        "o": (896, 896),
+        "gate_up": (9728, 896),
+        "down": (896, 4864),
+    },
 }
 LIBRARIES = (
     "mkl",
