@@ -185,6 +185,9 @@ def install_timers() -> None:
     patch(Engine, "_on_token", "engine.on_token")
     patch(Engine, "_output", "engine.output")
     patch(IncrementalDetokenizer, "add", "detok.add")
+    # greedy rows' tokens through the bfloat16 screen of the output head (inside
+    # runner.execute; rows it leaves open go through ``linear`` as well)
+    patch(decoder.CausalLM, "greedy_tokens", "head.greedy_tokens")
     NativeDecode.decode = timer("attn.native_decode", NativeDecode.decode, record_decode)
     # the tiled kernel: causal prefill chunks, and the cascade's shared prefixes where the
     # policy runs them in C (native_prefill counts both calls)

@@ -276,7 +276,8 @@ def test_profile_engine_counts_every_kv_byte_decode_attention_reads(tiny_model_d
     shared prefix), every output token after the first is one decode row reading its whole
     context, so the kernel's K/V bytes are exactly each layer's sum of those contexts; the rate
     is those bytes over the kernel's seconds, and the fraction that rate over the median of the
-    plain reads sampled between steps."""
+    plain reads sampled between steps. Where the CPU has bfloat16 products the greedy rows'
+    head screen is a phase of its own (``head.greedy_tokens``)."""
     import torch
 
     from kernels import native
@@ -301,6 +302,13 @@ def test_profile_engine_counts_every_kv_byte_decode_attention_reads(tiny_model_d
     # rates to four significant figures)
     assert got["kv_bytes"] / 1e9 / got["gbps"] == pytest.approx(got["s"], rel=0.01, abs=6e-4)
     assert got["fraction_of_read"] == pytest.approx(got["gbps"] / got["read_gbps"], abs=0.002)
+    from kernels import gemm
+
+    lib = gemm.load()
+    if lib is not None and lib.bf16:  # greedy rows through the head's bfloat16 screen, timed
+        phases = json.loads(proc.stdout.strip().splitlines()[-1])["phases"]
+        head, steps = phases["head.greedy_tokens"], phases["engine.step"]
+        assert 0 < head["calls"] <= steps["calls"] and head["s"] <= steps["s"]
 
 
 def test_decode_table_keeps_four_figures_of_a_slow_rate(monkeypatch: pytest.MonkeyPatch) -> None:
