@@ -5,8 +5,9 @@ of the base's source with a harmless extra define (``control``: the same code at
 addresses; a change smaller than ``control / base`` is not resolved). Then times, in alternating
 rounds in one process, with the same weights and inputs for all three:
 
-* ``hot``: one projection at a time (the bench model's and SmolLM2's fused qkv, fused gate/up and
-  down shapes) at ``--rows`` rows (a prefill chunk: 2048), its weight in the cache;
+* ``hot``: one projection at a time (the fused qkv, fused gate/up and down shapes of
+  ``--models``, :data:`bench.gemm_libs.MODELS`: by default the bench model's and SmolLM2's) at
+  ``--rows`` rows (a prefill chunk: 2048), its weight in the cache;
 * ``cold``: a pass over ``--layers`` layers of SmolLM2's four projections, each its own weight
   (30 layers: 424 MB in float32, past most of these machines' last-level caches), at
   ``--cold-rows`` rows (decode steps).
@@ -23,7 +24,7 @@ has ``pack_glu`` packs them for its SwiGLU product, one without multiplies and t
 fused SwiGLU pass (:mod:`kernels.fused`); GFLOP/s still count the products alone.
 
     python -m bench.gemm_ab --base /tmp/base [--rounds 7] [--rows 2048] [--cold-rows 16,64]
-        [--layers 30] [--bf16 [--no-amx] | --int8] [--swiglu] [--flags=-mno-avx512f]
+        [--layers 30] [--models bench,smollm2,qwen2-0.5b] [--bf16 [--no-amx] | --int8] [--swiglu] [--flags=-mno-avx512f]
 """
 
 from __future__ import annotations
