@@ -24,7 +24,8 @@ has ``pack_glu`` packs them for its SwiGLU product, one without multiplies and t
 fused SwiGLU pass (:mod:`kernels.fused`); GFLOP/s still count the products alone.
 
     python -m bench.gemm_ab --base /tmp/base [--rounds 7] [--rows 2048] [--cold-rows 16,64]
-        [--layers 30] [--models bench,smollm2,qwen2-0.5b] [--bf16 [--no-amx] | --int8] [--swiglu] [--flags=-mno-avx512f]
+        [--layers 30] [--models bench,smollm2,qwen2-0.5b] [--bf16 [--no-amx] | --int8]
+        [--swiglu] [--flags=-mno-avx512f]
 """
 
 from __future__ import annotations
