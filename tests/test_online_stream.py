@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
-import signal
 import socket
 import threading
 import time
@@ -22,7 +20,7 @@ from pagedserve.schemas import JobStatus
 from pagedserve.store import JobStore
 from tests.api_fixtures import heartbeat, make_app, publish
 from tests.api_live import HOST, JsonClient
-from tests.fixtures.workers import wait_for
+from tests.fixtures.workers import frozen, wait_for
 from tests.online_live import Stack, stack
 
 openai = pytest.importorskip("openai", reason="pip install openai (a dev dependency)")
@@ -103,8 +101,11 @@ def test_disconnect_cancels_and_frees_blocks(stack: Stack) -> None:
         "stream": True,
     }
     sock, job_id = _open_stream(stack.api.port, body)
-    sock.close()  # the client goes away mid-stream
     store = JobStore(stack.redis_url)
+    # The worker and its engine held while the API notices (see the test below).
+    with frozen(stack.worker.proc.pid):
+        sock.close()  # the client goes away mid-stream
+        wait_for(lambda: store.status(job_id) == JobStatus.CANCELLING, 10, "the cancel asked")
     rec = wait_for(lambda: (r := store.get(job_id)) and r.status.terminal and r, 20, "the end")
     assert rec.status == JobStatus.CANCELLED and rec.tokens_generated < 400
 
@@ -141,14 +142,12 @@ def test_non_stream_disconnect_cancels_the_job(stack: Stack) -> None:
         return None
 
     job_id = wait_for(running, 20, "the job started")
-    # The worker held while the API notices: on a fast CPU the tiny model's 400 tokens take
-    # ~0.2 s, about what noticing a hang-up and cancelling take, so the job often ended first.
-    os.kill(stack.worker.proc.pid, signal.SIGSTOP)
-    try:
+    # The worker and its engine process held while the API notices: on a fast CPU the tiny
+    # model's 400 tokens take ~0.2 s, about what noticing a hang-up and cancelling take, so the
+    # job often ended first (a stop of the worker alone left its engine generating).
+    with frozen(stack.worker.proc.pid):
         sock.close()
         wait_for(lambda: store.status(job_id) == JobStatus.CANCELLING, 10, "the cancel asked")
-    finally:
-        os.kill(stack.worker.proc.pid, signal.SIGCONT)
     rec = wait_for(lambda: (r := store.get(job_id)) and r.status.terminal and r, 20, "the end")
     assert rec.status == JobStatus.CANCELLED and rec.tokens_generated < 400
     wait_for(lambda: store.workers()["online-w"]["running"] == 0, 10, "no running job")
