@@ -150,6 +150,34 @@ def test_long_k_runs_in_slices_with_the_same_sums(packing: Packing) -> None:
     torch.testing.assert_close(batch, want, rtol=0, atol=tolerance(3000))
 
 
+@pytest.mark.parametrize("rows", [33, 64])
+def test_decode_sized_calls_over_a_long_k_keep_each_rows_bits(packing: Packing, rows: int) -> None:
+    """Up to 64 rows whose x is past half the L2 (K 6144: 0.8-1.6 MB) multiply in k slices too
+    (float32 calls; kernels/csrc/gemm.c ``ps_gemm_kc``): each row still equals that row alone
+    (one pass), bit for bit, in the narrower last panel too; and the product against float64."""
+    gen = torch.Generator().manual_seed(rows + 17)
+    weight, bias = torch.randn(56, 6144, generator=gen), torch.randn(56, generator=gen)
+    w, x = packing.pack(weight), torch.randn(rows, 6144, generator=gen)
+    batch = w.matmul(x, bias)
+    for r in (0, rows // 2, rows - 1):
+        assert torch.equal(w.matmul(x[r : r + 1], bias), batch[r : r + 1])
+    want = packing.reference(x, weight, bias)
+    torch.testing.assert_close(batch, want, rtol=0, atol=tolerance(6144))
+
+
+def test_decode_sized_glu_calls_over_a_long_k_keep_each_rows_bits(
+    gemm: native_gemm.NativeGemm,
+) -> None:
+    """The same for the SwiGLU product at 48 rows: its k slices carry partial sums in a buffer
+    the binding sizes from ``ps_gemm_glu_partial`` (the kernel's own slicing decision)."""
+    gen = torch.Generator().manual_seed(9)
+    packed = gemm.pack_glu(torch.randn(2 * 72, 6144, generator=gen) * 6144**-0.5)
+    x = torch.randn(48, 6144, generator=gen)
+    batch = packed.matmul(x)
+    for r in (0, 24, 47):
+        assert torch.equal(packed.matmul(x[r : r + 1]), batch[r : r + 1])
+
+
 def test_a_row_gives_the_same_bits_alone_or_in_a_batch(packing: Packing) -> None:
     """Each output is one ordered sum over k: a row's result does not depend on its batch, the
     tile it lands in or the thread count (unlike blocked BLAS kernels)."""

@@ -380,9 +380,21 @@ static void ps_gemm_i8_rows(const float *x, int64_t ldx, const float *wp, int64_
 #ifndef PS_GEMM_KC
 #define PS_GEMM_KC 512
 #endif
-/* decode-sized calls (up to 64 rows) keep one pass: x fits L2 whole at any K there */
-static inline int64_t ps_gemm_kc(int64_t M, int64_t K) {
-    return K <= PS_GEMM_KC_MAX || M <= 64 ? K : PS_GEMM_KC;
+/* Decode-sized calls (up to 64 rows) keep one pass where their x fits half the L2, as it does
+ * for every K up to PS_GEMM_KC_MAX; ``f32``: a float32 call (x and panels), which otherwise
+ * slices too. Why: past half the L2 (Qwen2-0.5B's down product, K 4864: 32 rows are 622 KB)
+ * the row chunks (ps_gemm_panels) fell to one tile of 12 rows, and each chunk walked all the
+ * thread's weights, 3-5 times a call; in k slices of PS_GEMM_KC all the rows are one chunk.
+ * The slices carry partial sums in y (the same additions in the same order: the same bits).
+ * Zen 5 EPYC, 2 threads, the down product hot at 32 / 48 / 64 rows 1.12-1.26x; 24 layers of
+ * Qwen2-0.5B's four products from memory 1.03 / 1.07 / 1.06x at 32 / 48 / 64 rows
+ * (bench/README.md, a forty-ninth session); 16 rows (311 KB) keep one pass. */
+static int64_t ps_gemm_l2_bytes(void);
+static inline int64_t ps_gemm_kc(int64_t M, int64_t K, int f32) {
+    if (K <= PS_GEMM_KC_MAX) return K;
+    if (M > 64) return PS_GEMM_KC;
+    const int fits = M * K * (int64_t)sizeof(float) <= ps_gemm_l2_bytes() / 2;
+    return fits || !f32 ? K : PS_GEMM_KC;
 }
 
 /* The requests for the block after panels [b0, b1) of a thread's [p0, p1): its panels spread
@@ -602,7 +614,8 @@ static void ps_gemm_panels(const float *x, int64_t M, int64_t K, int64_t ldx, co
     float *wide = 0; /* int8 past PS_GEMM_I8_WIDEN_ROWS rows: float32 panels from here on */
     int64_t x_bytes = PS_GEMM_X_BYTES;
     if (bf16 == PS_GEMM_I8 && M > PS_GEMM_I8_WIDEN_ROWS) {
-        const int64_t n = ps_gemm_per_block(ps_gemm_kc(M, 4 * K), ps_gemm_block_bytes(M, 1));
+        const int64_t n =
+            ps_gemm_per_block(ps_gemm_kc(M, 4 * K, 0), ps_gemm_block_bytes(M, 1));
         wide = ps_gemm_scratch(n * 4 * K * PS_GEMM_NR);
         if (wide) { /* else (no memory) the tiles widen */
             K *= 4;
@@ -611,7 +624,7 @@ static void ps_gemm_panels(const float *x, int64_t M, int64_t K, int64_t ldx, co
             if (x_bytes < PS_GEMM_X_BYTES) x_bytes = PS_GEMM_X_BYTES;
         }
     }
-    const int64_t kc = ps_gemm_kc(M, K);
+    const int64_t kc = ps_gemm_kc(M, K, !bf16 && !wide);
     const int64_t per_block = ps_gemm_per_block(kc, ps_gemm_block_bytes(M, wide != 0));
     const int ahead = PS_GEMM_NEXT && M <= PS_GEMM_NEXT_ROWS && !wide;
     const int64_t mr_max = M <= PS_GEMM_NEXT_ROWS ? PS_GEMM_MR : PS_GEMM_MR_BIG;
@@ -691,7 +704,7 @@ void ps_gemm_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const float 
  * sums of a K too long for one slice (ps_gemm_kc), carried between slices as ps_gemm_f32 does
  * in y.
  */
-int ps_gemm_glu_partial(int64_t M, int64_t K) { return ps_gemm_kc(M, K) < K; }
+int ps_gemm_glu_partial(int64_t M, int64_t K) { return ps_gemm_kc(M, K, 1) < K; }
 
 void ps_gemm_f32_glu(const float *x, int64_t M, int64_t K, int64_t ldx, const float *wp,
                      int64_t I, const float *bias, float *out, int64_t ldo, float *partial,
