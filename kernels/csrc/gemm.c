@@ -386,9 +386,9 @@ static void ps_gemm_i8_rows(const float *x, int64_t ldx, const float *wp, int64_
  * the row chunks (ps_gemm_panels) fell to one tile of 12 rows, and each chunk walked all the
  * thread's weights, 3-5 times a call; in k slices of PS_GEMM_KC all the rows are one chunk.
  * The slices carry partial sums in y (the same additions in the same order: the same bits).
- * Zen 5 EPYC, 2 threads, the down product hot at 32 / 48 / 64 rows 1.12-1.26x; 24 layers of
- * Qwen2-0.5B's four products from memory 1.03 / 1.07 / 1.06x at 32 / 48 / 64 rows
- * (bench/README.md, a forty-ninth session); 16 rows (311 KB) keep one pass. */
+ * Zen 5 EPYC, 2 threads, bit-identical: the down product hot at 32 / 48 / 64 rows 1.12x; 24
+ * layers of Qwen2-0.5B's four products from memory 1.08x at each (bench/README.md, a
+ * forty-ninth session); 16 rows (311 KB) keep one pass. */
 static int64_t ps_gemm_l2_bytes(void);
 static inline int64_t ps_gemm_kc(int64_t M, int64_t K, int f32) {
     if (K <= PS_GEMM_KC_MAX) return K;
