@@ -135,19 +135,38 @@ def test_large_prefill_rows_cross_the_row_chunks(packing: Packing) -> None:
                                atol=tolerance(1536))  # fmt: skip
 
 
+def assert_rows_keep_their_bits(packing: Packing, n: int, k: int, rows: int, seed: int) -> None:
+    """A ``rows`` x ``k`` product by an ``n``-output weight with bias: its first, middle and last
+    rows equal each row computed alone (a one-row call: one pass, the decode tile), bit for
+    bit; the whole product against float64."""
+    gen = torch.Generator().manual_seed(seed)
+    weight, bias = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    w, x = packing.pack(weight), torch.randn(rows, k, generator=gen)
+    batch = w.matmul(x, bias)
+    for r in (0, rows // 2, rows - 1):
+        assert torch.equal(w.matmul(x[r : r + 1], bias), batch[r : r + 1])
+    want = packing.reference(x, weight, bias)
+    torch.testing.assert_close(batch, want, rtol=0, atol=tolerance(k))
+
+
+def assert_glu_rows_keep_their_bits(
+    gemm: native_gemm.NativeGemm, inter: int, k: int, rows: int, seed: int
+) -> None:
+    """The same for a SwiGLU product (``pack_glu``) of ``inter`` outputs."""
+    gen = torch.Generator().manual_seed(seed)
+    packed = gemm.pack_glu(torch.randn(2 * inter, k, generator=gen) * k**-0.5)
+    x = torch.randn(rows, k, generator=gen)
+    batch = packed.matmul(x)
+    for r in (0, rows // 2, rows - 1):
+        assert torch.equal(packed.matmul(x[r : r + 1]), batch[r : r + 1])
+
+
 def test_long_k_runs_in_slices_with_the_same_sums(packing: Packing) -> None:
     """K above the kernel's one-pass limit with many rows goes in k slices through partial sums
     in y; the sums are the same additions in the same order as one pass over K: each row of a
     300-row call equals that row computed alone (one pass, 1 row), bit for bit, also in the last
     panel of an N that is not a multiple of the panel width (the one that runs K whole)."""
-    gen = torch.Generator().manual_seed(11)
-    weight, bias = torch.randn(56, 3000, generator=gen), torch.randn(56, generator=gen)
-    w, x = packing.pack(weight), torch.randn(300, 3000, generator=gen)
-    batch = w.matmul(x, bias)
-    for r in (0, 150, 299):
-        assert torch.equal(w.matmul(x[r : r + 1], bias), batch[r : r + 1])
-    want = packing.reference(x, weight, bias)
-    torch.testing.assert_close(batch, want, rtol=0, atol=tolerance(3000))
+    assert_rows_keep_their_bits(packing, 56, 3000, 300, seed=11)
 
 
 @pytest.mark.parametrize("rows", [33, 64])
@@ -155,14 +174,7 @@ def test_decode_sized_calls_over_a_long_k_keep_each_rows_bits(packing: Packing, 
     """Up to 64 rows whose x is past half the L2 (K 6144: 0.8-1.6 MB) multiply in k slices too
     (float32 calls; kernels/csrc/gemm.c ``ps_gemm_kc``): each row still equals that row alone
     (one pass), bit for bit, in the narrower last panel too; and the product against float64."""
-    gen = torch.Generator().manual_seed(rows + 17)
-    weight, bias = torch.randn(56, 6144, generator=gen), torch.randn(56, generator=gen)
-    w, x = packing.pack(weight), torch.randn(rows, 6144, generator=gen)
-    batch = w.matmul(x, bias)
-    for r in (0, rows // 2, rows - 1):
-        assert torch.equal(w.matmul(x[r : r + 1], bias), batch[r : r + 1])
-    want = packing.reference(x, weight, bias)
-    torch.testing.assert_close(batch, want, rtol=0, atol=tolerance(6144))
+    assert_rows_keep_their_bits(packing, 56, 6144, rows, seed=rows + 17)
 
 
 def test_decode_sized_glu_calls_over_a_long_k_keep_each_rows_bits(
@@ -170,12 +182,7 @@ def test_decode_sized_glu_calls_over_a_long_k_keep_each_rows_bits(
 ) -> None:
     """The same for the SwiGLU product at 48 rows: its k slices carry partial sums in a buffer
     the binding sizes from ``ps_gemm_glu_partial`` (the kernel's own slicing decision)."""
-    gen = torch.Generator().manual_seed(9)
-    packed = gemm.pack_glu(torch.randn(2 * 72, 6144, generator=gen) * 6144**-0.5)
-    x = torch.randn(48, 6144, generator=gen)
-    batch = packed.matmul(x)
-    for r in (0, 24, 47):
-        assert torch.equal(packed.matmul(x[r : r + 1]), batch[r : r + 1])
+    assert_glu_rows_keep_their_bits(gemm, 72, 6144, 48, seed=9)
 
 
 def test_a_row_gives_the_same_bits_alone_or_in_a_batch(packing: Packing) -> None:
@@ -428,24 +435,12 @@ def test_prefill_sized_calls_keep_each_rows_bits(packing: Packing, rows: int) ->
     chunks: a row still gets the bits it gets alone (a one-row call, the decode path's tile),
     at the first, a middle and the last row, in a last panel narrower than the panel width
     too; and the plain product against float64."""
-    gen = torch.Generator().manual_seed(rows)
-    weight, bias = torch.randn(300, 576, generator=gen), torch.randn(300, generator=gen)
-    w, x = packing.pack(weight), torch.randn(rows, 576, generator=gen)
-    batch = w.matmul(x, bias)
-    for r in (0, rows // 2, rows - 1):
-        assert torch.equal(w.matmul(x[r : r + 1], bias), batch[r : r + 1])
-    want = packing.reference(x, weight, bias)
-    torch.testing.assert_close(batch, want, rtol=0, atol=tolerance(576))
+    assert_rows_keep_their_bits(packing, 300, 576, rows, seed=rows)
 
 
 def test_prefill_sized_glu_calls_keep_each_rows_bits(gemm: native_gemm.NativeGemm) -> None:
     """The same for the SwiGLU product (``pack_glu``) at 1001 rows."""
-    gen = torch.Generator().manual_seed(4)
-    packed = gemm.pack_glu(torch.randn(2 * 200, 576, generator=gen) * 576**-0.5)
-    x = torch.randn(1001, 576, generator=gen)
-    batch = packed.matmul(x)
-    for r in (0, 500, 1000):
-        assert torch.equal(packed.matmul(x[r : r + 1]), batch[r : r + 1])
+    assert_glu_rows_keep_their_bits(gemm, 200, 576, 1001, seed=4)
 
 
 def test_glu_bad_inputs_are_refused(gemm: native_gemm.NativeGemm) -> None:
