@@ -384,7 +384,7 @@ static void ps_gemm_i8_rows(const float *x, int64_t ldx, const float *wp, int64_
  * for every K up to PS_GEMM_KC_MAX; ``f32``: a float32 call (x and panels), which otherwise
  * slices too. Why: past half the L2 (Qwen2-0.5B's down product, K 4864: 32 rows are 622 KB)
  * the row chunks (ps_gemm_panels) fell to one tile of 12 rows, and each chunk walked all the
- * thread's weights, 3-5 times a call; in k slices of PS_GEMM_KC all the rows are one chunk.
+ * thread's weights, 3-6 times a call; in k slices of PS_GEMM_KC all the rows are one chunk.
  * The slices carry partial sums in y (the same additions in the same order: the same bits).
  * Zen 5 EPYC, 2 threads, bit-identical: the down product hot at 32 / 48 / 64 rows 1.12x; 24
  * layers of Qwen2-0.5B's four products from memory 1.08x at each (bench/README.md, a
