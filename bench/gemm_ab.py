@@ -38,7 +38,7 @@ from functools import partial
 import torch
 
 from bench.common import ab_builds, ab_rounds, add_ab_arguments, emit, tree_module
-from bench.gemm_libs import MODELS
+from bench.gemm_libs import MODELS, model_names
 from kernels import fused
 from kernels.gemm import NativeGemm, PanelWeight
 
@@ -184,11 +184,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("--bf16: a build here has no bfloat16 path (AVX512-BF16)")
     rows = [int(r) for r in args.rows.split(",") if r]
     cold_rows = [int(r) for r in args.cold_rows.split(",") if r]
-    models = tuple(m for m in args.models.split(",") if m)
-    unknown = [m for m in models if m not in MODELS]
-    if unknown:
-        ap.error(f"--models: unknown {', '.join(unknown)} (known: {', '.join(MODELS)})")
-    todo = cases(rows, cold_rows, args.layers, models)
+    todo = cases(rows, cold_rows, args.layers, model_names(args.models))
     amx = False if args.no_amx else None  # None: each build's own choice (its tiles if any)
     results = [
         compare(libs, case, args.rounds, args.bf16, amx, args.swiglu, args.int8) for case in todo

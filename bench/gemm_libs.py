@@ -47,6 +47,17 @@ MODELS: dict[str, dict[str, tuple[int, int]]] = {
         "down": (896, 4864),
     },
 }
+
+
+def model_names(text: str) -> tuple[str, ...]:
+    """``--models``' comma list, each a key of :data:`MODELS` (else SystemExit naming them)."""
+    names = tuple(m for m in text.split(",") if m)
+    unknown = [m for m in names if m not in MODELS]
+    if unknown:
+        raise SystemExit(f"--models: unknown {', '.join(unknown)} (known: {', '.join(MODELS)})")
+    return names
+
+
 LIBRARIES = (
     "mkl",
     "onednn_packed",
@@ -189,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
                 model, cold_rows, args.layers, args.min_seconds, args.bf16, args.int8
             ),
         }
-        for model in [m for m in args.models.split(",") if m]
+        for model in model_names(args.models)
     }
     emit("gemm_libs", {"threads": args.threads, "layers": args.layers, "models": models})
 

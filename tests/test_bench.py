@@ -289,7 +289,8 @@ def test_profile_engine_counts_every_kv_byte_decode_attention_reads(tiny_model_d
            "--workload", "uniform", "--requests", str(requests)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])["decode_attention"]
+    body = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = body["decode_attention"]
     cfg = json.loads((tiny_model_dir / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     per_token = 2 * cfg["num_key_value_heads"] * head_dim * 4  # K and V, float32
@@ -306,8 +307,7 @@ def test_profile_engine_counts_every_kv_byte_decode_attention_reads(tiny_model_d
 
     lib = gemm.load()
     if lib is not None and lib.bf16:  # greedy rows through the head's bfloat16 screen, timed
-        phases = json.loads(proc.stdout.strip().splitlines()[-1])["phases"]
-        head, steps = phases["head.greedy_tokens"], phases["engine.step"]
+        head, steps = body["phases"]["head.greedy_tokens"], body["phases"]["engine.step"]
         assert 0 < head["calls"] <= steps["calls"] and head["s"] <= steps["s"]
 
 
@@ -325,6 +325,16 @@ def test_decode_table_keeps_four_figures_of_a_slow_rate(monkeypatch: pytest.Monk
     assert got["read_gbps"] == pytest.approx(read, rel=5e-4) and got["read_samples"] == 3
     assert got["read_gbps_range"][0] < got["read_gbps"] < got["read_gbps_range"][1]
     assert got["fraction_of_read"] == pytest.approx(got["gbps"] / read, rel=1e-3)
+
+
+def test_gemm_benchmarks_take_known_model_shapes_only() -> None:
+    """``--models`` of ``bench.gemm_libs`` and ``bench.gemm_ab``: keys of their shape table, in
+    order, empty items dropped; an unknown name is refused with the known ones listed."""
+    from bench.gemm_libs import model_names
+
+    assert model_names("qwen2-0.5b,,bench") == ("qwen2-0.5b", "bench")
+    with pytest.raises(SystemExit, match=r"unknown nope \(known: bench, smollm2, qwen2-0\.5b\)"):
+        model_names("bench,nope")
 
 
 def test_a_gpu_run_leaves_vllm_cpu_out() -> None:

@@ -16,7 +16,7 @@ import pytest
 from pagedserve.client import Client
 from pagedserve.params import SamplingParams
 from pagedserve.schemas import JobStatus
-from tests.fixtures.workers import StartWorker, wait_for
+from tests.fixtures.workers import StartWorker, children, wait_for
 from worker.engine import Engine
 from worker.engine_process import EngineDied, EngineProcess, Inbox, PoolView, Report, send_report
 from worker.outputs import EngineConfig, RequestOutput
@@ -210,8 +210,8 @@ def test_a_model_that_does_not_load_is_an_error(tmp_path: Path) -> None:
 
 def engine_child(pid: int) -> int:
     """The worker's engine process (multiprocessing also starts a resource tracker)."""
-    kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    engine = [int(k) for k in kids if b"pipe_handle" in Path(f"/proc/{k}/cmdline").read_bytes()]
+    kids = children(pid)
+    engine = [k for k in kids if b"pipe_handle" in Path(f"/proc/{k}/cmdline").read_bytes()]
     assert len(engine) == 1, kids
     return engine[0]
 

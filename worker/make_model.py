@@ -65,7 +65,8 @@ class Shape:
     vocab_size: int
     max_position_embeddings: int = 2048
     corpus_chars: int = 200_000
-    #: The output head is the embedding (Qwen2's small models); the tiny presets tie anyway.
+    #: The output head is the embedding (Qwen2's small models); Qwen2's tiny checkpoints tie too,
+    #: so that the tests cover a tied head.
     tie_embeddings: bool = False
 
 
@@ -119,14 +120,14 @@ def hf_config_for(family: str, preset: str, shape: Shape, dtype: torch.dtype) ->
     if family == "llama":
         return LlamaConfig(
             **common,
-            tie_word_embeddings=False,
+            tie_word_embeddings=shape.tie_embeddings,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         )
     if family == "mistral":
         window = 32 if preset == "tiny" else 4096
         return MistralConfig(
             **common,
-            tie_word_embeddings=False,
+            tie_word_embeddings=shape.tie_embeddings,
             sliding_window=window,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         )
