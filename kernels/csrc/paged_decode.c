@@ -132,6 +132,37 @@ static inline v8sf ps_hsum8(const v8sf p[8]) {
 }
 
 
+/* Lane j of the result: the sum of the lanes of p[j], for the build's wide vectors. With 16
+ * floats, one tree over the whole vectors (pairs of tokens, pairs of pairs, then quads: 15
+ * shuffles and 8 adds) instead of folding each vector to 8 lanes and then ps_hsum8 (8 extracts,
+ * 14 shuffles, 15 adds). Why: with 7 heads per KV head (Qwen2-0.5B's 14/2) the reductions were
+ * almost as many instructions as the dot products' multiply-adds; 1.04x there on K/V the L3
+ * holds, 1.00-1.01x for 9/3 and 8/4 heads (bench/README.md). The sums' order changes, not
+ * their terms. */
+static inline v8sf ps_whsum8(const vwsf p[8]) {
+#if PS_WIDE_LANES == 16
+    vwsf u[4], w[2];
+    for (int j = 0; j < 4; ++j) /* per 128 bits: token 2j in even lanes, 2j + 1 in odd ones */
+        u[j] = __builtin_shufflevector(p[2 * j], p[2 * j + 1], 0, 16, 1, 17, 4, 20, 5, 21, 8,
+                                       24, 9, 25, 12, 28, 13, 29) +
+               __builtin_shufflevector(p[2 * j], p[2 * j + 1], 2, 18, 3, 19, 6, 22, 7, 23, 10,
+                                       26, 11, 27, 14, 30, 15, 31);
+    for (int j = 0; j < 2; ++j) /* per 128 bits: tokens 4j .. 4j + 3 */
+        w[j] = __builtin_shufflevector(u[2 * j], u[2 * j + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9,
+                                       24, 25, 12, 13, 28, 29) +
+               __builtin_shufflevector(u[2 * j], u[2 * j + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10,
+                                       11, 26, 27, 14, 15, 30, 31);
+    /* per 256 bits: tokens 0 .. 7; the two halves' sum is the result */
+    const vwsf z = __builtin_shufflevector(w[0], w[1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11,
+                                           24, 25, 26, 27) +
+                   __builtin_shufflevector(w[0], w[1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14,
+                                           15, 28, 29, 30, 31);
+    return ps_fold8(z);
+#else
+    return ps_hsum8(p);
+#endif
+}
+
 /* Scores of 8 consecutive tokens (rows token_stride apart) for one query vector. */
 static inline v8sf ps_scores8(const float *q, const ps_kv_t *k, int64_t token_stride, int64_t D,
                               ps_pf *pf) {
@@ -178,11 +209,7 @@ static inline __attribute__((always_inline)) void ps_scores8xn(
             for (int i = 0; i < n; ++i) p[i][j] += qv[i] * kv;
         }
     }
-    for (int i = 0; i < n; ++i) {
-        v8sf f[8];
-        for (int j = 0; j < 8; ++j) f[j] = ps_fold8(p[i][j]);
-        *(v8sf *)&s[i][c] = ps_hsum8(f);
-    }
+    for (int i = 0; i < n; ++i) *(v8sf *)&s[i][c] = ps_whsum8(p[i]);
 }
 
 #if PS_WIDE_LANES == 8
