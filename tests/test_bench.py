@@ -630,6 +630,34 @@ def test_prefill_ab_times_three_builds_and_checks_their_outputs(
         assert got["bit_identical"] == {"ours": True, "control": True}
 
 
+def test_decode_ab_times_three_builds_under_traffic_and_checks_their_outputs(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``bench.decode_ab`` against this very tree: each shape's K/V rate for the three builds,
+    the plain read of the same blocks and each build's fraction of it, and bit-identical
+    outputs (the same source, built twice, gives the same sums)."""
+    from bench import decode_ab
+
+    repo = Path(decode_ab.__file__).resolve().parents[1]
+    decode_ab.main([
+        "--base", str(repo), "--rounds", "1", "--layers", "2", "--between-mb", "1",
+        "--rows", "3", "--ctx", "40", "--threads", "1",
+    ])  # fmt: skip
+    rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["case"] for r in rec["results"]] == [
+        "14/2/64 heads, 3 x 40",
+        "9/3/64 heads, 3 x 40",
+        "8/4/64 heads, 3 x 40",
+    ]
+    for got in rec["results"]:
+        assert set(got["kv_gbps"]) == {"ours", "base", "control"}
+        assert min(got["kv_gbps"].values()) > 0 and got["blocks_read_gbps"] > 0
+        assert got["fraction_of_blocks_read"]["ours"] == pytest.approx(
+            got["kv_gbps"]["ours"] / got["blocks_read_gbps"], abs=2e-3
+        )
+        assert got["bit_identical"] == {"ours": True, "control": True}
+
+
 @pytest.mark.parametrize(
     "mode", [(), ("--bf16",), ("--bf16", "--no-amx"), ("--swiglu",), ("--int8",)], ids=str
 )
