@@ -137,8 +137,8 @@ static inline v8sf ps_hsum8(const v8sf p[8]) {
  * shuffles and 8 adds) instead of folding each vector to 8 lanes and then ps_hsum8 (8 extracts,
  * 14 shuffles, 15 adds). Why: with 7 heads per KV head (Qwen2-0.5B's 14/2) the reductions were
  * almost as many instructions as the dot products' multiply-adds; 1.04x there on K/V the L3
- * holds, 1.00-1.01x for 9/3 and 8/4 heads (bench/README.md). The sums' order changes, not
- * their terms. */
+ * holds, 1.02x under the engine's traffic (bench.decode_ab), 0.99-1.01x for 9/3 and 8/4 heads
+ * (bench/README.md). The sums' order changes, not their terms. */
 static inline v8sf ps_whsum8(const vwsf p[8]) {
 #if PS_WIDE_LANES == 16
     vwsf u[4], w[2];
