@@ -30,12 +30,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import TypeVar
 
 import torch
 
 from bench.common import ab_builds, ab_rounds, add_ab_arguments, emit
 from bench.kernels import HeadShape, scattered_decode
 from kernels.native import DecodeRows, NativeDecode
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -70,11 +73,11 @@ def make_case(shape: str, rows: int, ctx: int, layers: int) -> Case:
 
 
 def timed_layers(
-    case: Case, between: torch.Tensor, call: Callable[..., object]
-) -> tuple[float, list[object]]:
+    case: Case, between: torch.Tensor, call: Callable[..., T]
+) -> tuple[float, list[T]]:
     """Seconds per layer of ``call(k, v, query, tables)`` over every layer, each after a read
     of ``between`` (not timed), and the calls' results."""
-    total, results = 0.0, []
+    total, results = 0.0, list[T]()
     for k_cache, v_cache, query, tables in case.layers:
         between.sum()
         t0 = time.perf_counter()
@@ -87,20 +90,22 @@ def run_once(kernel: NativeDecode, case: Case, between: torch.Tensor) -> tuple[f
     """Seconds per layer call, and the last layer's output with its LSEs appended."""
     scale = case.heads.head_dim**-0.5
 
-    def call(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, tables: torch.Tensor) -> object:
+    def call(
+        k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, tables: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         out, lse = torch.empty_like(q), torch.empty(q.shape[0], q.shape[1])
         kernel.decode(q, k, v, tables, case.rows, scale, None, out, lse)
         return out, lse
 
     seconds, results = timed_layers(case, between, call)
-    out, lse = results[-1]  # type: ignore[misc]
+    out, lse = results[-1]
     return seconds, torch.cat([out.flatten(), lse.flatten()])
 
 
 def blocks_read_gbps(kernel: NativeDecode, case: Case, between: torch.Tensor, rounds: int) -> float:
     """GB/s of a plain sum over the blocks the kernel reads, under the same traffic."""
 
-    def call(k: torch.Tensor, v: torch.Tensor, _q: torch.Tensor, tables: torch.Tensor) -> object:
+    def call(k: torch.Tensor, v: torch.Tensor, _q: torch.Tensor, tables: torch.Tensor) -> float:
         return kernel.read_blocks(k, v, tables, case.rows)
 
     seconds = statistics.median(timed_layers(case, between, call)[0] for _ in range(rounds))

@@ -119,9 +119,9 @@ static inline __attribute__((always_inline)) void ps_pf_step(ps_pf *p) {
  * AVX-512), which step in every pass. Why: there the first passes alone are about half of a
  * block's work, so the plain cursor asked for the next block in the first half of each block
  * and left the second without requests; under the engine's traffic (bench.decode_ab) the fine
- * one read 14/2 heads 1.05x (control 1.01). Shapes with one pass per phase keep the plain
- * cursor: with half the lines a step its requests would not be out by the block's end
- * (0.94x for 9/3 and 8/4 heads). */
+ * one reads 14/2 heads 1.027x (control 0.998), 3.5% faster in the engine. Shapes with one pass
+ * per phase keep the plain cursor: with half the lines a step its requests would not be out by
+ * the block's end (0.94x for 9/3 and 8/4 heads). */
 static inline __attribute__((always_inline)) void ps_pf_step1(ps_pf *p) {
     if (!p || p->o >= 2 * p->end) return;
     __builtin_prefetch(p->o < p->end ? p->k + p->o : p->v + (p->o - p->end), 0, 2);
@@ -340,10 +340,11 @@ static inline __attribute__((always_inline)) void ps_values_tile(
 
 /* A score pass (n <= PS_SCORE_HEADS heads of one KV head) and a value tile (n <= 4 heads) with
  * the n of the call; pf is &cursor in the first pass over a K or V slice and a literal NULL in
- * the others, so each call site is compiled with or without the steps. Why: where a KV head's
- * heads take several passes (GQA 3 on AVX2, 7 on AVX-512), stepping in every pass asked for the
- * next block too early (0.83-0.87x for 9/3 heads in a -march=haswell build), and choosing the
- * cursor at run time kept it out of registers (0.70x for 14/2 heads). */
+ * the others (in every pass with fine, the one-line cursor of ps_pf_step1), so each call site is
+ * compiled with or without the steps. Why: where a KV head's heads take several passes (GQA 3
+ * on AVX2, 7 on AVX-512), the two-line cursor stepping in every pass asked for the next block
+ * too early (0.83-0.87x for 9/3 heads in a -march=haswell build), and choosing the cursor at
+ * run time kept it out of registers (0.70x for 14/2 heads). */
 static inline __attribute__((always_inline)) void ps_scores_pass(
     const float (*q)[PS_MAX_HEAD_DIM], const int64_t n, const ps_kv_t *k, int64_t token_stride,
     const int64_t D, float (*s)[PS_MAX_BLOCK], int64_t c, ps_pf *pf, const int halves,
@@ -558,10 +559,7 @@ static inline __attribute__((always_inline)) void ps_decode_row_impl(
                 }
             }
         }
-        if (FINE) /* whatever the block's loads left */
-            while (pf.o < 2 * pf.end) ps_pf_step1(&pf);
-        else
-            while (pf.o < pf.end) ps_pf_step(&pf);
+        while (pf.o < (FINE ? 2 : 1) * pf.end) ps_pf_next(&pf, FINE); /* what the loads left */
     }
 
     float *orow = part->out ? part->out : a->out + a->token_rows[r] * a->out_row_stride;
