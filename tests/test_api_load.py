@@ -156,10 +156,10 @@ def pools_idle(client: JsonClient) -> dict[str, Any] | None:
 def heartbeat_finished(client: JsonClient) -> dict[str, dict[str, int]] | None:
     """Each worker's ``jobs_finished`` from its heartbeat, once together they count every job.
 
-    Why wait: the loop counts a final write when its writer thread reports it, and heartbeats go
-    out every ``heartbeat_s``; the heartbeat that shows a pool idle can be one sent before the
-    writer's last reports were taken, so its counts may trail the store by a few jobs (seen:
-    2299 against 2313) until the next one."""
+    Why wait: the loop counts a final write when its writer thread reports it; the heartbeat
+    that first shows a pool idle can be a periodic one sent before the writer's last reports
+    were taken (its counts trailed the store's by a few jobs: 2299 against 2313), and the one
+    with the final counts follows as the loop drains (``Worker._settled``)."""
     hbs = {w["worker_id"]: w for w in client.get("/v1/workers")["data"]}
     if set(hbs) != set(WORKER_IDS):
         return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,12 @@ def offline(model_dir: Path, prompts: list[str | list[int]], params: SamplingPar
 
 def heartbeat(client: Client, worker_id: str) -> dict:
     return client.store.workers().get(worker_id, {})
+
+
+def heartbeat_succeeded(client: Client, worker_id: str, n: int) -> dict | None:
+    """The worker's heartbeat once it counts ``n`` succeeded jobs."""
+    hb = heartbeat(client, worker_id)
+    return hb if hb and hb["jobs_finished"].get("succeeded") == n else None
 
 
 #: The engine in the worker's process, and in a child of its own (worker/engine_process.py,
@@ -163,6 +170,29 @@ def test_cancel_mid_generation_frees_blocks(
     # The worker goes on serving.
     nxt = client.submit("after the cancel", {"max_tokens": 4, "temperature": 0})
     assert client.wait(nxt, timeout=30).status == JobStatus.SUCCEEDED
+
+
+@ENGINE_PLACES
+def test_heartbeat_counts_a_drained_batch_before_its_period(
+    redis_url: str, model_dir: Path, start_worker: StartWorker, engine_flags: tuple[str, ...]
+) -> None:
+    """With a 60 s period, only the first heartbeat is periodic within this test: the ones
+    counting each batch's jobs go out as the loop drains it (``Worker._settled``)."""
+    start_worker(redis_url, model_dir, "w1", "--heartbeat-s", "60", *engine_flags)
+    client = Client(redis_url)
+    wait_for(lambda: heartbeat(client, "w1"), what="the first heartbeat")
+    expected = 0
+    for n in (6, 3):
+        ids = client.submit_many([f"batch {n} {i}" for i in range(n)], {"max_tokens": 6})
+        assert all(r.status == JobStatus.SUCCEEDED for r in client.wait_many(ids, timeout=30))
+        expected += n
+        hb = wait_for(
+            partial(heartbeat_succeeded, client, "w1", expected),
+            timeout=10,
+            what=f"a heartbeat counting {expected} jobs",
+        )
+        assert hb["jobs_finished"] == {"succeeded": expected}
+        assert not hb["jobs"]
 
 
 def test_heartbeat_contents(redis_url: str, model_dir: Path, start_worker: StartWorker) -> None:
