@@ -263,8 +263,8 @@ class Worker:
 
     def _beat(self, now: float) -> None:
         self.last_hb = now
+        self._heartbeat()  # RedisDown: a drained batch's heartbeat is tried again next pass
         self.hb_behind = False
-        self._heartbeat()
 
     def _claim(self) -> None:
         """Take the claimer's finished round, if any, and order the next one when due. The
