@@ -39,6 +39,12 @@ def has_avx512() -> bool:
     return "avx512f" in cpu_info().get("cpu_flags", [])
 
 
+def sig(x: float, digits: int = 4) -> float:
+    """``x`` to ``digits`` significant figures: a tiny model on a loaded host (or a test's tiny
+    case) reads K/V at a few hundredths of a GB/s, where two decimals would keep one digit."""
+    return float(f"{x:.{digits}g}")
+
+
 def emit(name: str, figures: dict[str, Any]) -> None:
     """Print the benchmark's single JSON line (figures plus where it ran)."""
     record = {

@@ -34,7 +34,7 @@ from typing import TypeVar
 
 import torch
 
-from bench.common import ab_builds, ab_rounds, add_ab_arguments, emit
+from bench.common import ab_builds, ab_rounds, add_ab_arguments, emit, sig
 from bench.kernels import HeadShape, scattered_decode
 from kernels.native import DecodeRows, NativeDecode
 
@@ -117,10 +117,12 @@ def compare(
 ) -> dict[str, object]:
     runs = {name: partial(run_once, kernel, case, between) for name, kernel in kernels.items()}
     got = ab_rounds(runs, rounds, case.flop)
-    gbps = {name: round(case.kv_bytes / ms * 1e-6, 2) for name, ms in got["ms"].items()}
-    blocks = blocks_read_gbps(kernels["base"], case, between, rounds)
+    gbps = {name: sig(case.kv_bytes / ms * 1e-6) for name, ms in got["ms"].items()}
+    # the fractions of the figures as printed (two decimals of a tiny case's ~0.6 GB/s read
+    # were off by ~1% from the unrounded rate the fractions used)
+    blocks = sig(blocks_read_gbps(kernels["base"], case, between, rounds))
     return {
-        "case": case.name, "kv_gbps": gbps, "blocks_read_gbps": round(blocks, 2),
+        "case": case.name, "kv_gbps": gbps, "blocks_read_gbps": blocks,
         "fraction_of_blocks_read": {name: round(g / blocks, 3) for name, g in gbps.items()},
         **got,
     }  # fmt: skip

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.common import emit
+from bench.common import emit, sig
 from bench.throughput import (
     ensure_model,
     make_mixed,
@@ -131,12 +131,6 @@ def decode_table() -> dict[str, Any]:
         "read_gbps_range": [sig(min(reads)), sig(max(reads))],
         "fraction_of_read": sig(gbps / read),
     }
-
-
-def sig(x: float, digits: int = 4) -> float:
-    """``x`` to ``digits`` significant figures: a tiny model on a loaded host reads K/V at a few
-    hundredths of a GB/s, where two decimals would keep one digit."""
-    return float(f"{x:.{digits}g}")
 
 
 def linear_table() -> list[dict[str, Any]]:
