@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bench.common import emit
+from bench.common import emit, sig
 from kernels import fused
 from worker.models.config import ModelConfig
 from worker.models.layers import GatedMLP, RMSNorm, swap_for_packed
@@ -145,7 +145,7 @@ def measure(model: str, rows: int, layers: int, repeats: int) -> dict[str, objec
         "ours_over_inductor": round(ms["inductor"] / ms["ours"], 2),
         "inductor_over_eager": round(ms["eager"] / ms["inductor"], 2),
         "compile_s": round(compile_s, 1),
-        "max_abs_diff": {n: float(f"{v:.3g}") for n, v in diff.items()},
+        "max_abs_diff": {n: sig(v, 3) for n, v in diff.items()},
     }
 
 
