@@ -86,6 +86,9 @@ class NativeGemm:
                                             _P, ctypes.c_float, _P, _I64, _P, _P, _I32]  # fmt: skip
         lib.ps_gemm_head_greedy.restype = None
         lib.ps_gemm_head_list.restype = _I64
+        lib.ps_head_i16_screen.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _P, _I64, _I32]
+        lib.ps_head_i16_screen.restype = None
+        lib.ps_head_i16_panel_width.restype = ctypes.c_int
         self._lib = lib
         #: Output columns per panel: 16 with 8-float vectors, 32 with 16-float ones.
         self.panel_width = int(lib.ps_gemm_panel_width())
@@ -98,6 +101,8 @@ class NativeGemm:
         self.amx = self.bf16 and bool(lib.ps_gemm_amx_available())
         #: Candidate columns ``head_greedy`` lists per row at most (its scratch, per thread).
         self.head_list = int(lib.ps_gemm_head_list())
+        #: Columns per panel of the integer head screen (:meth:`head_i16`).
+        self.head_i16_width = int(lib.ps_head_i16_panel_width())
 
     def tiles_take(self, in_features: int) -> bool:
         """Whether bfloat16 weights of this input width multiply on the AMX tiles here."""
@@ -239,6 +244,29 @@ class NativeGemm:
             head.out_features, approx.data_ptr(), approx.stride(0), norms.data_ptr(), nmax,
             slack.data_ptr(), cap, cand.data_ptr(), tokens.data_ptr(), threads,
         )  # fmt: skip
+
+    def head_i16(
+        self,
+        xq: torch.Tensor,
+        panels: torch.Tensor,
+        out_features: int,
+        colscale: torch.Tensor,
+        rowscale: torch.Tensor,
+    ) -> torch.Tensor:
+        """``ps_head_i16_screen`` (:class:`kernels.greedy_head.Int16Screen`): ``(xq @ Q.T) *
+        colscale * rowscale[:, None]`` in float32 from the exact int32 sums, for int16 rows
+        ``xq`` [rows, in] and the int16 ``panels`` [ceil(out / width), in / 2, width, 2]."""
+        m, k = xq.shape
+        if xq.dtype != torch.int16 or k % 2 or panels.shape[1] * 2 != k:
+            raise ValueError(f"xq must be int16 [rows, {panels.shape[1] * 2}]")
+        xq = xq.contiguous()
+        y = torch.empty(m, out_features, dtype=torch.float32)
+        self._lib.ps_head_i16_screen(
+            xq.data_ptr(), m, k, xq.stride(0), panels.data_ptr(), out_features,
+            colscale.data_ptr(), rowscale.data_ptr(), y.data_ptr(), y.stride(0),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return y
 
     def _matmul_int8(
         self, x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None

@@ -1,4 +1,4 @@
-"""Exact greedy tokens of a float32 output head from a bfloat16 screen.
+"""Exact greedy tokens of a float32 output head from a cheaper screen of it (bfloat16 or int16).
 
 Why: in a decode step of a small model the output head is one of the largest products
 (SmolLM2-135M: 49152 x 576, a fifth of a token's weights, ~15% of a 48-row decode step on a
@@ -9,7 +9,8 @@ exactly as the float32 head computes it, and the token is the first of their lar
 **the token the float32 head gives, bit for bit** (``ps_gemm_head_greedy`` in
 ``kernels/csrc/gemm.c``; tests/test_greedy_head.py checks it against the float32 head on the
 real model and on near ties). So it is not a mode with other numerics: every greedy row
-without logprobs takes it where the CPU multiplies bfloat16 (AVX512-BF16 or AMX).
+without logprobs takes it: the bfloat16 screen where the CPU multiplies bfloat16 (AVX512-BF16
+or AMX), the integer one below elsewhere (AVX2; AVX-512 without AVX512-BF16).
 
 The bound, per row x and column W_j, with t_j the exact sum of x_i W_ji, S_j the sum of
 |x_i W_ji|, u = 2^-24 (float32) and u_b = 2^-8 (bfloat16, both rounded to nearest):
@@ -29,21 +30,46 @@ and each of the 2K sums by at most 2^-126; that absolute term t (with 8 u |x|_2 
 for the rounding of the comparisons themselves, the logits being at most |x|_2 max |W_j|_2)
 is added to every column's bound. Rows whose |x| is not finite or beyond 1e30 (where bfloat16
 rounding could overflow), and rows with more than ``cap`` candidates, take the float32 head.
+
+**The integer screen** (:class:`Int16Screen`, ``ps_head_i16_screen``): where the CPU has no
+bfloat16 product, W and each row x are rounded to int16 steps, W_j = s_j q_j + e_j with s_j =
+max|W_j| / L per column and x = r p + e_x with r = max|x| / L per row (L = floor(sqrt((2^31 - 1)
+/ K)), at most 32767, so that K L^2 < 2^31 and the int32 sums D_j of p_i q_ji are exact), and
+the screen's value is a_j = (D_j s_j) r in float32 (three roundings of the exact r s_j D_j, at
+most 3.01 u of it). With X = |x|_2, E = |e_x|_2 (per row, from the rounded p), w_j = |W_j|_2 and
+e_j = |e_j|_2 (per column, at build), and r s_j D_j = (x - e_x).(W_j - e_j):
+
+    |a_j - f_j| <= (X + E) (e_j + 3.01 u (w_j + e_j) + gamma(K) w_j) + E max_j (w_j + 2 e_j)
+
+(Cauchy-Schwarz on each cross term; f_j's own error as above), which is ``ps_head_row``'s form
+s * norms[j] + t with s = X + E, norms[j] the bracket (1% margin) and t = E max_j (w_j + 2 e_j)
+plus the comparisons' rounding and 2^-126 for products that underflow. No subnormal flushing:
+the integer products are exact. vpmaddwd multiplies 16 int16 pairs per AVX2 instruction, twice
+float32's multiply-adds (Zen 5 with an AVX2-only build, Qwen2-0.5B's head, 48 rows: 1.6x the
+float32 head; bench/README.md, a fifty-third session).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from kernels.gemm import PanelWeight
+from kernels import native
+from kernels.gemm import NativeGemm, PanelWeight
 
 #: Most columns computed in float32 per row before the row takes the whole float32 head.
 CAP = 64
+#: ``PAGEDSERVE_GREEDY_SCREEN``: ``auto`` (default: bfloat16 where the CPU multiplies it, else
+#: int16), ``bfloat16`` (none without it) or ``int16`` (everywhere: how the tests and benches
+#: reach it on any CPU).
+SCREEN_ENV = native.GREEDY_SCREEN_ENV
+SCREENS = ("auto", "bfloat16", "int16")
 _U = 2.0**-24
 _TINY = 2.0**-126
 _X_LIMIT = 1e30
+_INT32_MAX = 2**31 - 1
 
 
 def rounding_factor(in_features: int) -> float:
@@ -52,15 +78,102 @@ def rounding_factor(in_features: int) -> float:
     return (2.0**-7 + 2.0**-16 + 3.1 * in_features * _U) * 1.01
 
 
-@dataclass(frozen=True, eq=False)
-class GreedyHead:
-    """A float32 head (:meth:`NativeGemm.pack`'s panels) with its bfloat16 screen."""
+def int16_levels(in_features: int) -> int:
+    """L of the module docstring: the largest |q| and |p| of the integer screen, so that every
+    int32 sum of ``in_features`` products of two of them is exact."""
+    return min(32767, math.isqrt(_INT32_MAX // in_features))
 
-    head: PanelWeight
-    screen: PanelWeight
-    #: |W_j|_2 per column, rounded up to float32.
+
+def _up(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (float64) as float32, never below it."""
+    f = t.float()
+    return torch.where(f.double() < t, torch.nextafter(f, torch.full_like(f, math.inf)), f)
+
+
+@dataclass(frozen=True, eq=False)
+class Bf16Screen:
+    """The head in bfloat16 (:meth:`NativeGemm.pack_bf16`), norms |W_j|_2."""
+
+    weight: PanelWeight
     norms: torch.Tensor
     nmax: float
+
+    @classmethod
+    def build(cls, weight: torch.Tensor, gemm: NativeGemm) -> Bf16Screen:
+        norms = _up(torch.linalg.vector_norm(weight.double(), dim=1))
+        return cls(gemm.pack_bf16(weight), norms, float(norms.max()))
+
+    def products(self, x: torch.Tensor, xnorm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The screen's products of rows ``x`` and each row's (s, t) (module docstring)."""
+        k = x.shape[1]
+        flushed = (k**0.5 * (xnorm + self.nmax) + 2 * k) * _TINY
+        compares = 8 * _U * xnorm * self.nmax  # the float32 tests of the bound in C
+        rounding = xnorm * (rounding_factor(k) * (1 + 1e-6))
+        return self.weight.matmul(x), _up(torch.stack([rounding, (flushed + compares) * 1.01], 1))
+
+
+@dataclass(frozen=True, eq=False)
+class Int16Screen:
+    """The head in int16 steps (module docstring): ``panels`` [ceil(out / 16), in / 2, 16, 2]
+    (``ps_head_i16_screen``'s layout), ``scale`` s_j per column (zero past ``out``)."""
+
+    panels: torch.Tensor
+    scale: torch.Tensor
+    levels: int
+    norms: torch.Tensor
+    nmax: float
+    #: max_j (|W_j| + 2 |e_j|): E times it bounds the rows' rounding terms.
+    wide: float
+    gemm: NativeGemm
+
+    @classmethod
+    def build(cls, weight: torch.Tensor, gemm: NativeGemm) -> Int16Screen:
+        n, k = weight.shape
+        levels = int16_levels(k)
+        w = weight.double()
+        scale = (w.abs().amax(dim=1) / levels).float()
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale)).double()
+        q = torch.round(w / safe[:, None]).clamp_(-levels, levels)
+        err = torch.linalg.vector_norm(w - q * scale.double()[:, None], dim=1)  # exact products
+        wn = torch.linalg.vector_norm(w, dim=1)
+        bracket = err + 3.01 * _U * (wn + err) + 1.01 * k * _U * wn
+        norms = _up(bracket * 1.01)
+        nr = gemm.head_i16_width
+        pad = -(-n // nr) * nr
+        q16 = torch.zeros(pad, k, dtype=torch.int16)
+        q16[:n] = q.to(torch.int16)
+        panels = q16.reshape(pad // nr, nr, k // 2, 2).transpose(1, 2).contiguous()
+        cols = torch.zeros(pad, dtype=torch.float32)
+        cols[:n] = scale
+        wide = float(_up((wn + 2 * err).max().reshape(1) * 1.01))
+        return cls(panels, cols, levels, norms, float(norms.max()), wide, gemm)
+
+    def products(self, x: torch.Tensor, xnorm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The screen's products of rows ``x`` and each row's (s, t) (module docstring)."""
+        rs = (x.abs().amax(dim=1) / self.levels).float()
+        rs = torch.where(rs > 0, rs, torch.ones_like(rs))
+        p = torch.round(x.double() / rs.double()[:, None]).clamp_(-self.levels, self.levels)
+        e = torch.linalg.vector_norm(x.double() - p * rs.double()[:, None], dim=1)
+        s = (xnorm + e) * (1 + 1e-6)
+        t = (e * self.wide + 8 * _U * s * self.wide + _TINY) * 1.01
+        approx = self.gemm.head_i16(p.to(torch.int16), self.panels, len(self.norms), self.scale, rs)
+        return approx, _up(torch.stack([s, t], 1))
+
+
+def screen_kind(gemm: NativeGemm) -> str | None:
+    """The screen this library and ``PAGEDSERVE_GREEDY_SCREEN`` give a head, or None."""
+    kind = native.choice(SCREEN_ENV, SCREENS)
+    if kind == "auto":
+        return "bfloat16" if gemm.bf16 else "int16"
+    return None if kind == "bfloat16" and not gemm.bf16 else kind
+
+
+@dataclass(frozen=True, eq=False)
+class GreedyHead:
+    """A float32 head (:meth:`NativeGemm.pack`'s panels) with its screen."""
+
+    head: PanelWeight
+    screen: Bf16Screen | Int16Screen
     #: The head's rows ``[out, in]`` (float32, unit column stride) where the model keeps them (a
     #: tied embedding): a recomputed column reads one contiguous row instead of one float of
     #: every k step's 128-byte panel line (16x fewer bytes; the same values, the same sums).
@@ -68,23 +181,32 @@ class GreedyHead:
     cap: int = CAP
 
     @classmethod
-    def build(cls, head: PanelWeight, rows: torch.Tensor | None = None) -> GreedyHead | None:
-        """The screen of a float32 panel head, or None where this build or CPU has no bfloat16
-        product or the head is not a plain float32 one. ``rows``: the same weight unpacked, if
-        the caller keeps it (checked equal to the panels' values)."""
+    def build(
+        cls, head: PanelWeight, rows: torch.Tensor | None = None, kind: str | None = None
+    ) -> GreedyHead | None:
+        """The screen of a float32 panel head, or None where the head is not a plain float32
+        one (or ``kind`` is ``bfloat16`` and this CPU has no bfloat16 product). ``rows``: the
+        same weight unpacked, if the caller keeps it (checked equal to the panels' values);
+        ``kind``: ``bfloat16`` or ``int16`` (default: :func:`screen_kind`)."""
         gemm = head.gemm
         plain = head.panels.dtype == torch.float32 and not head.glu and head.scale is None
-        if not (gemm.bf16 and plain and head.in_features % 2 == 0):
+        kind = kind or screen_kind(gemm)
+        if kind == "bfloat16" and not gemm.bf16:
+            kind = None
+        if not (kind and plain and head.in_features % 2 == 0):
             return None
         n, k = head.out_features, head.in_features
         weight = head.panels.transpose(1, 2).reshape(-1, k)[:n]  # the head's own values
-        norms = torch.linalg.vector_norm(weight.double(), dim=1).float()
-        norms = torch.nextafter(norms, torch.full_like(norms, float("inf")))
         if rows is not None and (
             rows.shape != weight.shape or rows.stride(1) != 1 or not torch.equal(rows, weight)
         ):
             raise ValueError("rows must be the head's float32 weight [out, in], unit stride")
-        return cls(head, gemm.pack_bf16(weight), norms, float(norms.max()), rows)
+        build = Bf16Screen.build if kind == "bfloat16" else Int16Screen.build
+        return cls(head, build(weight, gemm), rows)
+
+    @property
+    def kind(self) -> str:
+        return "bfloat16" if isinstance(self.screen, Bf16Screen) else "int16"
 
     def tokens(self, x: torch.Tensor) -> list[int]:
         """Each row's greedy token: the first position of the largest of ``x @ W.T`` as the
@@ -93,27 +215,23 @@ class GreedyHead:
         float32."""
         if x.stride(1) != 1:
             x = x.contiguous()
-        rows, k = x.shape
+        rows = x.shape[0]
         xnorm = torch.linalg.vector_norm(x.double(), dim=1)
         ok = torch.isfinite(xnorm) & (xnorm <= _X_LIMIT)
-        flushed = (k**0.5 * (xnorm + self.nmax) + 2 * k) * _TINY
-        compares = 8 * _U * xnorm * self.nmax  # the float32 tests of the bound in C
-        rounding = xnorm * (rounding_factor(k) * (1 + 1e-6))
-        slack = torch.stack([rounding, (flushed + compares) * 1.01], dim=1).float()  # [rows, 2]
-        slack = torch.nextafter(slack, torch.full_like(slack, float("inf")))
         tokens = torch.full((rows,), -1, dtype=torch.int64)
         if bool(ok.all()):
-            self._screen(x, slack, tokens)
+            self._screen(x, xnorm, tokens)
         else:
             good = ok.nonzero().flatten()
             if good.numel():
                 sub = torch.full((good.numel(),), -1, dtype=torch.int64)
-                self._screen(x.index_select(0, good), slack[good].contiguous(), sub)
+                self._screen(x.index_select(0, good), xnorm[good], sub)
                 tokens[good] = sub
         return tokens.tolist()
 
-    def _screen(self, x: torch.Tensor, slack: torch.Tensor, tokens: torch.Tensor) -> None:
-        approx = self.screen.matmul(x)
+    def _screen(self, x: torch.Tensor, xnorm: torch.Tensor, tokens: torch.Tensor) -> None:
+        approx, slack = self.screen.products(x, xnorm)
+        s = self.screen
         self.head.gemm.head_greedy(
-            x, self.head, self.rows, approx, self.norms, self.nmax, slack, self.cap, tokens
+            x, self.head, self.rows, approx, s.norms, s.nmax, slack, self.cap, tokens
         )

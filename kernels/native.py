@@ -49,6 +49,9 @@ GEMM_ENV = "PAGEDSERVE_NATIVE_GEMM"
 #: tiles where the CPU has them, else AVX512-BF16) / onednn (read by
 #: :func:`worker.models.layers.bf16_native` through :func:`choice`).
 BF16_GEMM_ENV = "PAGEDSERVE_BF16_GEMM"
+#: The greedy rows' head screen: auto (bfloat16 where the CPU multiplies it, else int16) /
+#: bfloat16 / int16 (read by :func:`kernels.greedy_head.screen_kind` through :func:`choice`).
+GREEDY_SCREEN_ENV = "PAGEDSERVE_GREEDY_SCREEN"
 CACHE_ENV = "PAGEDSERVE_KERNEL_CACHE"
 #: The cache dtypes the kernels read, the flags that build each library and its functions'
 #: suffix (kernels/csrc/ps_kv.h).

@@ -137,6 +137,12 @@ BF16_GEMM = Setting(
     "--weight-dtype bfloat16 products: auto (the C GEMM: AMX tiles or AVX512-BF16; else "
     "oneDNN), native or onednn",
 )
+GREEDY_SCREEN = Setting(
+    "PAGEDSERVE_GREEDY_SCREEN",
+    "auto",
+    "greedy rows' output-head screen (exact tokens either way): auto (bfloat16 where the CPU "
+    "multiplies it, else int16), bfloat16 or int16",
+)
 TILED_PREFILL = Setting(
     "PAGEDSERVE_TILED_PREFILL",
     "1",
@@ -169,6 +175,7 @@ SETTINGS: tuple[Setting, ...] = (
     FUSED_OPS,
     NATIVE_GEMM,
     BF16_GEMM,
+    GREEDY_SCREEN,
     TILED_PREFILL,
     KERNEL_CACHE,
 )

@@ -141,7 +141,8 @@ class ModelRunner:
         elif self.device.type == "cpu" and prepack_enabled():
             log.info("packed %d projection weights (C GEMM or oneDNN)", self.model.pack_weights())
             if config.greedy_screen and self.model.enable_greedy_screen():
-                log.info("greedy rows: the output head screened in bfloat16 (exact tokens)")
+                kind = self.model.greedy_head.kind if self.model.greedy_head else "?"
+                log.info("greedy rows: the output head screened in %s (exact tokens)", kind)
         mc = self.model.config
         self.max_model_len = min(
             max_model_len or mc.max_position_embeddings, mc.max_position_embeddings

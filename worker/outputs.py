@@ -60,8 +60,8 @@ class EngineConfig:
     greedy_screen: bool = field(
         default=True,
         metadata=opt(
-            "turn off the bfloat16 screen of greedy rows' output head (CPU, float32; its tokens "
-            "are the float32 head's either way)",
+            "turn off the bfloat16 / int16 screen of greedy rows' output head (CPU, float32; "
+            "its tokens are the float32 head's either way)",
             flag="--no-greedy-screen",
         ),
     )

@@ -1116,3 +1116,136 @@ void ps_gemm_head_greedy(const float *x, int64_t M, int64_t K, int64_t ldx, cons
                                 cand + t * PS_HEAD_LIST);
     }
 }
+
+/*
+ * The integer screen of a float32 head (kernels/greedy_head.py), for CPUs without bfloat16
+ * products: y[r][j] = ((float)D[r][j] * colscale[j]) * rowscale[r] with D[r][j] the exact
+ * sum over k of xq[r][k] * wq[j][k] (int16 values; the caller keeps K * max|xq| * max|wq|
+ * below 2^31, so the int32 sums never wrap).
+ *
+ * Why: without AVX512-BF16 the bfloat16 screen is not there, and a greedy row took the whole
+ * float32 head (the Qwen2-0.5B shape: 136M of its 494M weights, a quarter of a 48-row decode
+ * step on a Zen 3). vpmaddwd multiplies 16 int16 pairs and adds each pair into an int32 lane:
+ * twice the multiply-adds of a float32 FMA per instruction (AVX512-VNNI's vpdpwssd also adds
+ * into the accumulator).
+ *
+ * Layout: wq[p][k / 2][c][2]: panel p's PS_I16_NR columns, the two k steps of a pair side
+ * by side (vpmaddwd's pairs), columns past N zero; xq [M][K] rows ldx apart, K even.
+ * Threads take contiguous runs of panels; each panel (K * 32 bytes) stays in L1 / L2 while
+ * every PS_I16_MR-row tile of xq passes over it.
+ */
+#if defined(__AVX2__) || defined(__AVX512BW__)
+#include <immintrin.h>
+#endif
+#define PS_I16_NR 16
+#define PS_I16_MR 6
+#ifndef PS_I16_PF
+#define PS_I16_PF 16 /* k pairs (64-byte lines of a panel) asked ahead */
+#endif
+
+int ps_head_i16_panel_width(void) { return PS_I16_NR; }
+
+static inline __attribute__((always_inline)) void ps_i16_tile(
+    const int32_t *const *xr, const int16_t *w, int64_t pairs, int32_t out[PS_I16_MR][PS_I16_NR],
+    const int MR) {
+#if defined(__AVX512BW__)
+    __m512i acc[PS_I16_MR];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_si512();
+    for (int64_t kk = 0; kk < pairs; ++kk) {
+        __builtin_prefetch(w + (kk + PS_I16_PF) * 2 * PS_I16_NR, 0, 3);
+        const __m512i wv = _mm512_loadu_si512((const void *)(w + kk * 2 * PS_I16_NR));
+        for (int r = 0; r < MR; ++r) {
+            const __m512i xb = _mm512_set1_epi32(xr[r][kk]);
+#if defined(__AVX512VNNI__)
+            acc[r] = _mm512_dpwssd_epi32(acc[r], wv, xb);
+#else
+            acc[r] = _mm512_add_epi32(acc[r], _mm512_madd_epi16(wv, xb));
+#endif
+        }
+    }
+    for (int r = 0; r < MR; ++r) _mm512_storeu_si512((void *)out[r], acc[r]);
+#elif defined(__AVX2__)
+    __m256i acc[PS_I16_MR][2];
+    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    for (int64_t kk = 0; kk < pairs; ++kk) {
+        const int16_t *wk = w + kk * 2 * PS_I16_NR;
+        __builtin_prefetch(wk + PS_I16_PF * 2 * PS_I16_NR, 0, 3);
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)wk);
+        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wk + PS_I16_NR));
+        for (int r = 0; r < MR; ++r) {
+            const __m256i xb = _mm256_set1_epi32(xr[r][kk]);
+#if defined(__AVXVNNI__)
+            acc[r][0] = _mm256_dpwssd_avx_epi32(acc[r][0], w0, xb);
+            acc[r][1] = _mm256_dpwssd_avx_epi32(acc[r][1], w1, xb);
+#else
+            acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(w0, xb));
+            acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(w1, xb));
+#endif
+        }
+    }
+    for (int r = 0; r < MR; ++r) {
+        _mm256_storeu_si256((__m256i *)out[r], acc[r][0]);
+        _mm256_storeu_si256((__m256i *)(out[r] + 8), acc[r][1]);
+    }
+#else
+    for (int r = 0; r < MR; ++r)
+        for (int c = 0; c < PS_I16_NR; ++c) out[r][c] = 0;
+    for (int64_t kk = 0; kk < pairs; ++kk)
+        for (int r = 0; r < MR; ++r) {
+            const int16_t *xp = (const int16_t *)(xr[r] + kk);
+            const int16_t *wk = w + kk * 2 * PS_I16_NR;
+            for (int c = 0; c < PS_I16_NR; ++c) /* unsigned: wraps as the int32 lanes do */
+                out[r][c] = (int32_t)((uint32_t)out[r][c] + (uint32_t)(xp[0] * wk[2 * c] +
+                                                                       xp[1] * wk[2 * c + 1]));
+        }
+#endif
+}
+
+/* The tile for mr rows, the row count a compile-time constant in each case (no dead rows). */
+static void ps_i16_tile_rows(const int32_t *const *xr, const int16_t *w, int64_t pairs,
+                             int32_t out[PS_I16_MR][PS_I16_NR], int mr) {
+    switch (mr) {
+#define PS_I16_CASE(n) \
+    case n: ps_i16_tile(xr, w, pairs, out, n); break;
+        PS_I16_CASE(1) PS_I16_CASE(2) PS_I16_CASE(3) PS_I16_CASE(4) PS_I16_CASE(5)
+        default: ps_i16_tile(xr, w, pairs, out, PS_I16_MR); break;
+#undef PS_I16_CASE
+    }
+}
+
+void ps_head_i16_screen(const int16_t *xq, int64_t M, int64_t K, int64_t ldx, const int16_t *wq,
+                        int64_t N, const float *colscale, const float *rowscale, float *y,
+                        int64_t ldy, int32_t threads) {
+    const int64_t panels = (N + PS_I16_NR - 1) / PS_I16_NR, pairs = K / 2;
+    if (M <= 0 || panels <= 0) return;
+    /* M rows in the fewest tiles, as even as they go (8 rows: 4 + 4, not 6 + 2) */
+    const int64_t tiles = (M + PS_I16_MR - 1) / PS_I16_MR;
+#define rows_of(i) (M / tiles + ((i) < M % tiles))
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int t = 0, nt = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
+        int32_t out[PS_I16_MR][PS_I16_NR];
+        for (int64_t p = p0; p < p1; ++p) {
+            const int16_t *w = wq + p * pairs * 2 * PS_I16_NR;
+            const int64_t c0 = p * PS_I16_NR;
+            const int64_t nc = N - c0 < PS_I16_NR ? N - c0 : PS_I16_NR;
+            for (int64_t r0 = 0, tile = 0; r0 < M; r0 += rows_of(tile++)) {
+                const int mr = (int)rows_of(tile);
+                const int32_t *xr[PS_I16_MR];
+                for (int r = 0; r < mr; ++r) xr[r] = (const int32_t *)(xq + (r0 + r) * ldx);
+                ps_i16_tile_rows(xr, w, pairs, out, mr);
+                for (int r = 0; r < mr; ++r) {
+                    float *yr = y + (r0 + r) * ldy + c0;
+                    const float rs = rowscale[r0 + r];
+                    for (int c = 0; c < nc; ++c) yr[c] = ((float)out[r][c] * colscale[c0 + c]) * rs;
+                }
+            }
+        }
+    }
+}
+#undef rows_of

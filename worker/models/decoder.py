@@ -60,7 +60,8 @@ class CausalLM(nn.Module):
         self.register_buffer("rope_table", rope_table.to(device).contiguous(), persistent=False)
         #: Whether float32 CPU passes may use the fused C layer ops (kernels/fused.py).
         self.use_fused = True
-        #: The packed float32 head's bfloat16 screen for greedy rows (:meth:`enable_greedy_screen`).
+        #: The packed float32 head's bfloat16 or int16 screen for greedy rows
+        #: (:meth:`enable_greedy_screen`).
         self.greedy_head: GreedyHead | None = None
 
     @property
@@ -102,9 +103,9 @@ class CausalLM(nn.Module):
         return linear(hidden, self.lm_head_weight).float()
 
     def enable_greedy_screen(self) -> bool:
-        """Give greedy rows their tokens through a bfloat16 screen of the head
+        """Give greedy rows their tokens through a bfloat16 or int16 screen of the head
         (:mod:`kernels.greedy_head`: the float32 head's tokens, bit for bit), where the head is
-        packed for the C GEMM in float32 and the CPU multiplies bfloat16; whether it is on."""
+        packed for the C GEMM in float32; whether it is on."""
         head = self.lm_head_weight
         if isinstance(head, PanelWeight):
             tied = self.config.tie_word_embeddings and self.embed_weight.dtype == torch.float32
