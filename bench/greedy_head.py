@@ -10,7 +10,8 @@ process; every screen's tokens are checked equal to the float32 head's.
 
 Heads: ``smollm2`` (the embedded model's tied 49152 x 576 head, its rows put through the model's
 final norm as inputs) and ``qwen2-0.5b`` (the Qwen2-0.5B shape, 151936 x 896, random weights:
-the head that weighs 136M of that model's 494M parameters). ``--flags=-mno-avx512f`` builds the
+the head that weighs 136M of that model's 494M parameters), or any ``OUTxIN`` shape (random
+weights, as the Qwen2 one). ``--flags=-mno-avx512f`` builds the
 GEMM library for AVX2 only (the code an AVX2 CPU runs, here on whatever CPU this is).
 
     python -m bench.greedy_head [--heads smollm2,qwen2-0.5b] [--rows 8,48] [--rounds 7]
@@ -26,8 +27,13 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kernels.gemm import PanelWeight
+    from kernels.greedy_head import GreedyHead
 
 from bench.common import emit, sig
 
@@ -64,7 +70,7 @@ HEADS: dict[str, Callable[[], tuple[torch.Tensor, Callable[[int], torch.Tensor]]
 }
 
 
-def screened(gh, head) -> Callable[[torch.Tensor], tuple[list[int], int]]:  # noqa: ANN001
+def screened(gh: GreedyHead, head: PanelWeight) -> Callable[[torch.Tensor], tuple[list[int], int]]:
     """The decoder's path: the screen, then the float32 head for the rows it leaves open."""
     from worker.sampler import greedy_tokens
 
@@ -80,6 +86,16 @@ def screened(gh, head) -> Callable[[torch.Tensor], tuple[list[int], int]]:  # no
     return run
 
 
+def head_of(name: str) -> tuple[torch.Tensor, Callable[[int], torch.Tensor]]:
+    """A head of :data:`HEADS` or an ``OUTxIN`` shape (else SystemExit naming them)."""
+    if name in HEADS:
+        return HEADS[name]()
+    out, _, inp = name.partition("x")
+    if not (out.isdigit() and inp.isdigit() and int(inp) % 2 == 0):
+        raise SystemExit(f"--heads: {name!r} is neither one of {', '.join(HEADS)} nor OUTxIN")
+    return random_head(int(out), int(inp))
+
+
 def measure(head_name: str, rows_list: list[int], rounds: int, flags: list[str]) -> dict:
     from kernels import gemm, native
     from kernels.greedy_head import GreedyHead
@@ -88,7 +104,7 @@ def measure(head_name: str, rows_list: list[int], rounds: int, flags: list[str])
     lib = gemm.load(flags=[*native.FLAGS, *flags]) if flags else gemm.load()
     if lib is None:
         raise SystemExit("the C GEMM does not build here")
-    w, inputs = HEADS[head_name]()
+    w, inputs = head_of(head_name)
     head = lib.pack(w)
     systems: dict[str, Callable[[torch.Tensor], tuple[list[int], int]]] = {
         "float32": lambda x: (greedy_tokens(head.matmul(x)), 0)
@@ -144,9 +160,6 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     heads = [h for h in args.heads.split(",") if h]
-    unknown = [h for h in heads if h not in HEADS]
-    if unknown:
-        raise SystemExit(f"--heads: unknown {', '.join(unknown)} (known: {', '.join(HEADS)})")
     rows = [int(r) for r in args.rows.split(",")]
     flags = args.flags.split()
     figures = {h: measure(h, rows, args.rounds, flags) for h in heads}

@@ -516,6 +516,25 @@ def test_engine_ab_pairs_two_configurations_in_one_process(
     assert row["tokens_identical"] is True
 
 
+def test_greedy_head_times_the_float32_head_against_its_screens(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``bench.greedy_head``: every screen this CPU has (int16 everywhere) against the float32
+    head, paired per round, its tokens checked equal to the float32 head's (else it exits)."""
+    from bench import greedy_head
+
+    greedy_head.main(["--heads", "3000x128", "--rows", "3,16", "--rounds", "2", "--threads", "1"])
+    rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rec["bench"] == "greedy_head" and rec["heads"]["3000x128"]["shape"] == [3000, 128]
+    for rows in ("3", "16"):
+        row = rec["heads"]["3000x128"]["by_rows"][rows]
+        assert "int16" in row["speedup"] and set(row["ms"]) == {"float32", *row["speedup"]}
+        assert all(len(p) == 2 and min(p) > 0 for p in row["paired"].values())
+        assert all(0 <= n <= 2 * int(rows) for n in row["rows_left_open"].values())
+    with pytest.raises(SystemExit):
+        greedy_head.main(["--heads", "3000x127"])
+
+
 def test_engine_ab_takes_only_engine_config_fields() -> None:
     from bench.engine_ab import parse_sets
 
