@@ -70,6 +70,9 @@ _U = 2.0**-24
 _TINY = 2.0**-126
 _X_LIMIT = 1e30
 _INT32_MAX = 2**31 - 1
+#: Head rows per slice of the screens' float64 work at build (a Llama-3-8B head in one piece
+#: would take three 4 GB float64 copies).
+_CHUNK = 8192
 
 
 def rounding_factor(in_features: int) -> float:
@@ -100,7 +103,10 @@ class Bf16Screen:
 
     @classmethod
     def build(cls, weight: torch.Tensor, gemm: NativeGemm) -> Bf16Screen:
-        norms = _up(torch.linalg.vector_norm(weight.double(), dim=1))
+        norms = torch.cat(
+            [torch.linalg.vector_norm(c.double(), dim=1) for c in weight.split(_CHUNK)]
+        )
+        norms = _up(norms)
         return cls(gemm.pack_bf16(weight), norms, float(norms.max()))
 
     def products(self, x: torch.Tensor, xnorm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,21 +136,25 @@ class Int16Screen:
     def build(cls, weight: torch.Tensor, gemm: NativeGemm) -> Int16Screen:
         n, k = weight.shape
         levels = int16_levels(k)
-        w = weight.double()
-        scale = (w.abs().amax(dim=1) / levels).float()
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale)).double()
-        q = torch.round(w / safe[:, None]).clamp_(-levels, levels)
-        err = torch.linalg.vector_norm(w - q * scale.double()[:, None], dim=1)  # exact products
-        wn = torch.linalg.vector_norm(w, dim=1)
-        bracket = err + 3.01 * _U * (wn + err) + 1.01 * k * _U * wn
-        norms = _up(bracket * 1.01)
         nr = gemm.head_i16_width
         pad = -(-n // nr) * nr
         q16 = torch.zeros(pad, k, dtype=torch.int16)
-        q16[:n] = q.to(torch.int16)
-        panels = q16.reshape(pad // nr, nr, k // 2, 2).transpose(1, 2).contiguous()
         cols = torch.zeros(pad, dtype=torch.float32)
-        cols[:n] = scale
+        wn = torch.empty(n, dtype=torch.float64)
+        err = torch.empty(n, dtype=torch.float64)
+        for lo in range(0, n, _CHUNK):  # float64 work in slices: a few hundred MB at most
+            w = weight[lo : lo + _CHUNK].double()
+            scale = (w.abs().amax(dim=1) / levels).float()
+            safe = torch.where(scale > 0, scale, torch.ones_like(scale)).double()
+            q = torch.round(w / safe[:, None]).clamp_(-levels, levels)
+            hi = lo + w.shape[0]
+            err[lo:hi] = torch.linalg.vector_norm(w - q * scale.double()[:, None], dim=1)
+            wn[lo:hi] = torch.linalg.vector_norm(w, dim=1)
+            q16[lo:hi] = q.to(torch.int16)
+            cols[lo:hi] = scale
+        bracket = err + 3.01 * _U * (wn + err) + 1.01 * k * _U * wn
+        norms = _up(bracket * 1.01)
+        panels = q16.reshape(pad // nr, nr, k // 2, 2).transpose(1, 2).contiguous()
         wide = float(_up((wn + 2 * err).max().reshape(1) * 1.01))
         return cls(panels, cols, levels, norms, float(norms.max()), wide, gemm)
 
