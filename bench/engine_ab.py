@@ -14,6 +14,9 @@ tokens in every round (greedy requests: a change meant to keep the outputs must 
 
 Without ``--model``: the embedded default (SmolLM2-135M). Workloads as ``bench.throughput``'s
 (``--preset`` sizes them).
+``PAGEDSERVE_KERNEL_FLAGS="-mno-avx512f -mno-avxvnni"`` builds every C kernel as an AVX2-only
+CPU runs it (the fifty-third session measured the int16 greedy screen as a Zen 3 runs it, on a
+Zen 5, with ``PAGEDSERVE_GREEDY_SCREEN=int16`` and ``--set greedy_screen=false``).
 """
 
 from __future__ import annotations

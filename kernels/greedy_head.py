@@ -45,7 +45,7 @@ e_j = |e_j|_2 (per column, at build), and r s_j D_j = (x - e_x).(W_j - e_j):
 s * norms[j] + t with s = X + E, norms[j] the bracket (1% margin) and t = E max_j (w_j + 2 e_j)
 plus the comparisons' rounding and 2^-126 for products that underflow. No subnormal flushing:
 the integer products are exact. vpmaddwd multiplies 16 int16 pairs per AVX2 instruction, twice
-float32's multiply-adds (Zen 5 with an AVX2-only build, Qwen2-0.5B's head, 48 rows: 1.6x the
+float32's multiply-adds (Zen 5 with an AVX2-only build, Qwen2-0.5B's head, 48 rows: 1.55x the
 float32 head; bench/README.md, a fifty-third session).
 """
 

@@ -27,6 +27,7 @@ import fcntl
 import hashlib
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -53,6 +54,10 @@ BF16_GEMM_ENV = "PAGEDSERVE_BF16_GEMM"
 #: bfloat16 / int16 (read by :func:`kernels.greedy_head.screen_kind` through :func:`choice`).
 GREEDY_SCREEN_ENV = "PAGEDSERVE_GREEDY_SCREEN"
 CACHE_ENV = "PAGEDSERVE_KERNEL_CACHE"
+#: Compiler flags appended to every C kernel build's own (its cache key includes them):
+#: ``-mno-avx512f -mno-avxvnni`` builds the code an AVX2-only CPU runs, on any x86 host (how
+#: the benches measure a Zen 3's code path on a newer CPU).
+FLAGS_ENV = "PAGEDSERVE_KERNEL_FLAGS"
 #: The cache dtypes the kernels read, the flags that build each library and its functions'
 #: suffix (kernels/csrc/ps_kv.h).
 KV_BUILDS: dict[torch.dtype, tuple[list[str], str]] = {
@@ -466,11 +471,17 @@ def _build_key(compiler: str, flags: list[str], source: Path = SOURCE) -> str:
     return digest.hexdigest()[:16]
 
 
+def extra_flags() -> list[str]:
+    """``PAGEDSERVE_KERNEL_FLAGS``, split as a shell would."""
+    return shlex.split(os.environ.get(FLAGS_ENV, ""))
+
+
 def build(force: bool = False, source: Path = SOURCE, flags: list[str] | None = None) -> Path:
     """Compile the kernel (or find it in the cache); returns the shared library's path.
 
     ``source``/``flags``: another C file of ``kernels/csrc`` (``kernels/fused.py`` builds its
-    own through this), cached under its own stem and key.
+    own through this), cached under its own stem and key; ``PAGEDSERVE_KERNEL_FLAGS`` is
+    appended to the flags.
 
     Written to a temporary name and renamed into place, so concurrent builders (pytest-xdist
     workers, two engines) never load a half-written file; and compiled by one of them at a time
@@ -479,7 +490,7 @@ def build(force: bool = False, source: Path = SOURCE, flags: list[str] | None = 
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C compiler found (set CC, or install gcc)")
-    flags = FLAGS if flags is None else flags
+    flags = [*(FLAGS if flags is None else flags), *extra_flags()]
     target = _cache_dir() / f"{source.stem}-{_build_key(compiler, flags, source)}.so"
     if target.exists() and not force:
         return target

@@ -148,6 +148,11 @@ TILED_PREFILL = Setting(
     "1",
     "0: prompt tokens as decode rows of the C decode kernel, not the tiled prefill kernel",
 )
+KERNEL_FLAGS = Setting(
+    "PAGEDSERVE_KERNEL_FLAGS",
+    "",
+    "compiler flags appended to every C kernel build (-mno-avx512f: an AVX2 CPU's code)",
+)
 KERNEL_CACHE = Setting(
     "PAGEDSERVE_KERNEL_CACHE",
     "",
@@ -177,6 +182,7 @@ SETTINGS: tuple[Setting, ...] = (
     BF16_GEMM,
     GREEDY_SCREEN,
     TILED_PREFILL,
+    KERNEL_FLAGS,
     KERNEL_CACHE,
 )
 

@@ -293,6 +293,22 @@ def test_a_build_grouping_int8_scales_otherwise_refuses_int8_weights() -> None:
         other.pack_int8(torch.randn(8, 64))
 
 
+def test_kernel_flags_from_the_environment_reach_every_build(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``PAGEDSERVE_KERNEL_FLAGS`` is appended to a build's own flags (and keys its cache file):
+    the same ``-DPS_GEMM_KB=4`` as above, given through the environment, groups by 16; without
+    it the default build's 32."""
+    monkeypatch.setenv(native.FLAGS_ENV, "-DPS_GEMM_KB=4")
+    assert native.extra_flags() == ["-DPS_GEMM_KB=4"]
+    with_env = native_gemm.load(flags=native.FLAGS)
+    monkeypatch.delenv(native.FLAGS_ENV)
+    plain = native_gemm.load(flags=native.FLAGS)
+    assert with_env is not None and plain is not None
+    assert (with_env.int8_group, plain.int8_group) == (16, 32)
+    assert with_env.path != plain.path
+
+
 @pytest.mark.parametrize("rows", [1, 7, 32, 33, 48, 300])
 def test_int8_products_are_the_float32_ones_with_the_dequantized_weight(
     gemm: native_gemm.NativeGemm, rows: int
