@@ -43,8 +43,9 @@ e_j = |e_j|_2 (per column, at build), and r s_j D_j = (x - e_x).(W_j - e_j):
 
 (Cauchy-Schwarz on each cross term; f_j's own error as above), which is ``ps_head_row``'s form
 s * norms[j] + t with s = X + E, norms[j] the bracket (1% margin) and t = E max_j (w_j + 2 e_j)
-plus the comparisons' rounding and 2^-126 for products that underflow. No subnormal flushing:
-the integer products are exact. vpmaddwd multiplies 16 int16 pairs per AVX2 instruction, twice
+plus the comparisons' rounding and 2^-149 (r + 1) for products that land among subnormals (at
+most 2^-150 off absolutely, the first one then multiplied by r). No subnormal flushing: the
+integer products are exact. vpmaddwd multiplies 16 int16 pairs per AVX2 instruction, twice
 float32's multiply-adds (Zen 5 with an AVX2-only build, Qwen2-0.5B's head, 48 rows: 1.55x the
 float32 head; bench/README.md, a fifty-third session).
 """
@@ -68,6 +69,8 @@ SCREEN_ENV = native.GREEDY_SCREEN_ENV
 SCREENS = ("auto", "bfloat16", "int16")
 _U = 2.0**-24
 _TINY = 2.0**-126
+#: Twice the largest absolute error of rounding a float32 product that lands among subnormals.
+_UNDER = 2.0**-149
 _X_LIMIT = 1e30
 _INT32_MAX = 2**31 - 1
 #: Head rows per slice of the screens' float64 work at build (a Llama-3-8B head in one piece
@@ -165,7 +168,8 @@ class Int16Screen:
         p = torch.round(x.double() / rs.double()[:, None]).clamp_(-self.levels, self.levels)
         e = torch.linalg.vector_norm(x.double() - p * rs.double()[:, None], dim=1)
         s = (xnorm + e) * (1 + 1e-6)
-        t = (e * self.wide + 8 * _U * s * self.wide + _TINY) * 1.01
+        under = (rs.double() + 1) * _UNDER  # a subnormal D s_j, then times r (docstring)
+        t = (e * self.wide + 8 * _U * s * self.wide + under) * 1.01
         approx = self.gemm.head_i16(p.to(torch.int16), self.panels, len(self.norms), self.scale, rs)
         return approx, _up(torch.stack([s, t], 1))
 

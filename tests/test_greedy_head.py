@@ -243,7 +243,8 @@ def test_int16_screen_sums_are_exact_in_every_build(extra: list[str]) -> None:
 def test_int16_screens_bound_holds_on_every_column(seed: int) -> None:
     """|screen value - float32 logit| <= s * norms[j] + t for every row and column, on rows and
     heads built to strain it: activations with a few huge outliers (coarse int16 steps for the
-    rest), heads whose columns differ in scale by 10^6, exact zeros, and rows of one value."""
+    rest), heads whose columns differ in scale by 10^6, exact zeros, rows of one value, a
+    column of subnormal weights and rows at 1e20 and 1e-20."""
     lib = native_gemm.load()
     assert lib is not None
     g = torch.Generator().manual_seed(seed)
@@ -254,11 +255,13 @@ def test_int16_screens_bound_holds_on_every_column(seed: int) -> None:
     )
     w[3] = 0.0
     w[5, ::7] *= 1000  # a few large weights in a column
+    w[6] = torch.randn(k, generator=g) * 1e-39  # subnormal weights: a subnormal scale s_j
     x = torch.randn(32, k, generator=g)
     x[:8, :3] *= 500  # outliers
     x[8] = 0.0
     x[9] = 0.25
     x[10] *= 1e-20
+    x[11] *= 1e20  # times the subnormal column: products near the bottom of float32, times r
     head = lib.pack(w)
     gh = GreedyHead.build(head, kind="int16")
     assert gh is not None and isinstance(gh.screen, Int16Screen)
