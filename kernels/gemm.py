@@ -89,6 +89,7 @@ class NativeGemm:
         lib.ps_head_i16_screen.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _P, _I64, _I32]
         lib.ps_head_i16_screen.restype = None
         lib.ps_head_i16_panel_width.restype = ctypes.c_int
+        lib.ps_head_i16_vector.restype = ctypes.c_int
         self._lib = lib
         #: Output columns per panel: 16 with 8-float vectors, 32 with 16-float ones.
         self.panel_width = int(lib.ps_gemm_panel_width())
@@ -103,6 +104,8 @@ class NativeGemm:
         self.head_list = int(lib.ps_gemm_head_list())
         #: Columns per panel of the integer head screen (:meth:`head_i16`).
         self.head_i16_width = int(lib.ps_head_i16_panel_width())
+        #: Whether :meth:`head_i16` runs vector instructions (AVX2 / AVX-512BW), not plain C.
+        self.head_i16_vector = bool(lib.ps_head_i16_vector())
 
     def tiles_take(self, in_features: int) -> bool:
         """Whether bfloat16 weights of this input width multiply on the AMX tiles here."""

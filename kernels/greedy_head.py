@@ -63,8 +63,8 @@ from kernels.gemm import NativeGemm, PanelWeight
 #: Most columns computed in float32 per row before the row takes the whole float32 head.
 CAP = 64
 #: ``PAGEDSERVE_GREEDY_SCREEN``: ``auto`` (default: bfloat16 where the CPU multiplies it, else
-#: int16), ``bfloat16`` (none without it) or ``int16`` (everywhere: how the tests and benches
-#: reach it on any CPU).
+#: int16 where the build has AVX2 or AVX-512BW), ``bfloat16`` (none without it) or ``int16``
+#: (everywhere: how the tests and benches reach it on any CPU).
 SCREEN_ENV = native.GREEDY_SCREEN_ENV
 SCREENS = ("auto", "bfloat16", "int16")
 _U = 2.0**-24
@@ -177,8 +177,8 @@ class Int16Screen:
 def screen_kind(gemm: NativeGemm) -> str | None:
     """The screen this library and ``PAGEDSERVE_GREEDY_SCREEN`` give a head, or None."""
     kind = native.choice(SCREEN_ENV, SCREENS)
-    if kind == "auto":
-        return "bfloat16" if gemm.bf16 else "int16"
+    if kind == "auto":  # int16 only where it is vector code (else no faster than float32)
+        return "bfloat16" if gemm.bf16 else "int16" if gemm.head_i16_vector else None
     return None if kind == "bfloat16" and not gemm.bf16 else kind
 
 

@@ -138,6 +138,11 @@ def test_no_screen_without_a_plain_float32_head() -> None:
     assert GreedyHead.build(narrow.pack(w), kind="bfloat16") is None
     got = GreedyHead.build(narrow.pack(w))  # no bfloat16 product: the integer screen
     assert got is not None and got.kind == "int16"
+    plain_c = native_gemm.load(flags=[*native.FLAGS, "-mno-avx2", "-mno-avx512f"])
+    assert plain_c is not None and not plain_c.head_i16_vector and narrow.head_i16_vector
+    assert GreedyHead.build(plain_c.pack(w)) is None  # auto: no screen from the plain C loop
+    forced = GreedyHead.build(plain_c.pack(w), kind="int16")
+    assert forced is not None and forced.kind == "int16"
 
 
 @pytest.fixture(scope="module")

@@ -1151,6 +1151,16 @@ void ps_gemm_head_greedy(const float *x, int64_t M, int64_t K, int64_t ldx, cons
 #endif
 
 int ps_head_i16_panel_width(void) { return PS_I16_NR; }
+/* Whether this build multiplies the int16 pairs in vector instructions (AVX2 or AVX-512BW):
+ * elsewhere the plain C loop below is no faster than the float32 head, so the screen stays off
+ * unless asked for (kernels/greedy_head.py). */
+int ps_head_i16_vector(void) {
+#if defined(__AVX512BW__) || defined(__AVX2__)
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 static inline __attribute__((always_inline)) void ps_i16_tile(
     const int32_t *const *xr, const int16_t *w, int64_t pairs, int32_t out[PS_I16_MR][PS_I16_NR],
