@@ -11,11 +11,12 @@ process; every screen's tokens are checked equal to the float32 head's.
 Heads: ``smollm2`` (the embedded model's tied 49152 x 576 head, its rows put through the model's
 final norm as inputs) and ``qwen2-0.5b`` (the Qwen2-0.5B shape, 151936 x 896, random weights:
 the head that weighs 136M of that model's 494M parameters), or any ``OUTxIN`` shape (random
-weights, as the Qwen2 one). ``--flags=-mno-avx512f`` builds the
-GEMM library for AVX2 only (the code an AVX2 CPU runs, here on whatever CPU this is).
+weights, as the Qwen2 one). ``PAGEDSERVE_KERNEL_FLAGS="-mno-avx512f -mno-avxvnni"`` builds the
+GEMM library for AVX2 only (the code an AVX2 CPU runs, here on whatever CPU this is; the JSON
+line's ``kernel_flags``).
 
     python -m bench.greedy_head [--heads smollm2,qwen2-0.5b] [--rows 8,48] [--rounds 7]
-        [--threads 2] [--flags="-mno-avx512f -mno-avxvnni"]
+        [--threads 2]
 
 Prints one JSON line: per head and row count each system's median ms, ``speedup`` (float32 /
 screen, medians) with the paired per-round ratios, rows the screen left to the float32 head.
@@ -72,16 +73,11 @@ HEADS: dict[str, Callable[[], tuple[torch.Tensor, Callable[[int], torch.Tensor]]
 
 def screened(gh: GreedyHead, head: PanelWeight) -> Callable[[torch.Tensor], tuple[list[int], int]]:
     """The decoder's path: the screen, then the float32 head for the rows it leaves open."""
-    from worker.sampler import greedy_tokens
+    from worker.sampler import settle_open_rows
 
     def run(x: torch.Tensor) -> tuple[list[int], int]:
         tokens = gh.tokens(x)
-        rest = [i for i, t in enumerate(tokens) if t < 0]
-        if rest:
-            picked = head.matmul(x.index_select(0, torch.tensor(rest)))
-            for i, t in zip(rest, greedy_tokens(picked), strict=True):
-                tokens[i] = t
-        return tokens, len(rest)
+        return tokens, settle_open_rows(tokens, x, head.matmul)
 
     return run
 
@@ -96,12 +92,12 @@ def head_of(name: str) -> tuple[torch.Tensor, Callable[[int], torch.Tensor]]:
     return random_head(int(out), int(inp))
 
 
-def measure(head_name: str, rows_list: list[int], rounds: int, flags: list[str]) -> dict:
-    from kernels import gemm, native
+def measure(head_name: str, rows_list: list[int], rounds: int) -> dict:
+    from kernels import gemm
     from kernels.greedy_head import GreedyHead
     from worker.sampler import greedy_tokens
 
-    lib = gemm.load(flags=[*native.FLAGS, *flags]) if flags else gemm.load()
+    lib = gemm.load()
     if lib is None:
         raise SystemExit("the C GEMM does not build here")
     w, inputs = head_of(head_name)
@@ -154,16 +150,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rows", default="8,48")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument(
-        "--flags", default="", help='extra compiler flags of the build: --flags="-mno-avx512f"'
-    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     heads = [h for h in args.heads.split(",") if h]
     rows = [int(r) for r in args.rows.split(",")]
-    flags = args.flags.split()
-    figures = {h: measure(h, rows, args.rounds, flags) for h in heads}
-    emit("greedy_head", {"flags": flags, "threads": args.threads, "heads": figures})
+    from kernels import native
+
+    figures = {h: measure(h, rows, args.rounds) for h in heads}
+    emit("greedy_head", {"kernel_flags": native.extra_flags(), "threads": args.threads,
+                         "heads": figures})  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -165,10 +165,11 @@ class Int16Screen:
         """The screen's products of rows ``x`` and each row's (s, t) (module docstring)."""
         rs = (x.abs().amax(dim=1) / self.levels).float()
         rs = torch.where(rs > 0, rs, torch.ones_like(rs))
-        p = torch.round(x.double() / rs.double()[:, None]).clamp_(-self.levels, self.levels)
-        e = torch.linalg.vector_norm(x.double() - p * rs.double()[:, None], dim=1)
+        xd, rd = x.double(), rs.double()
+        p = torch.round(xd / rd[:, None]).clamp_(-self.levels, self.levels)
+        e = torch.linalg.vector_norm(xd - p * rd[:, None], dim=1)
         s = (xnorm + e) * (1 + 1e-6)
-        under = (rs.double() + 1) * _UNDER  # a subnormal D s_j, then times r (docstring)
+        under = (rd + 1) * _UNDER  # a subnormal D s_j, then times r (docstring)
         t = (e * self.wide + 8 * _U * s * self.wide + under) * 1.01
         approx = self.gemm.head_i16(p.to(torch.int16), self.panels, len(self.norms), self.scale, rs)
         return approx, _up(torch.stack([s, t], 1))

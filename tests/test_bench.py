@@ -526,6 +526,9 @@ def test_greedy_head_times_the_float32_head_against_its_screens(
     greedy_head.main(["--heads", "3000x128", "--rows", "3,16", "--rounds", "2", "--threads", "1"])
     rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rec["bench"] == "greedy_head" and rec["heads"]["3000x128"]["shape"] == [3000, 128]
+    from kernels import native
+
+    assert rec["kernel_flags"] == native.extra_flags()  # PAGEDSERVE_KERNEL_FLAGS, as built
     for rows in ("3", "16"):
         row = rec["heads"]["3000x128"]["by_rows"][rows]
         assert "int16" in row["speedup"] and set(row["ms"]) == {"float32", *row["speedup"]}

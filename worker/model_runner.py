@@ -140,8 +140,7 @@ class ModelRunner:
             log.info("packed %d projection weights in %s", n, weight_fmt)
         elif self.device.type == "cpu" and prepack_enabled():
             log.info("packed %d projection weights (C GEMM or oneDNN)", self.model.pack_weights())
-            if config.greedy_screen and self.model.enable_greedy_screen():
-                kind = self.model.greedy_head.kind if self.model.greedy_head else "?"
+            if config.greedy_screen and (kind := self.model.enable_greedy_screen()):
                 log.info("greedy rows: the output head screened in %s (exact tokens)", kind)
         mc = self.model.config
         self.max_model_len = min(

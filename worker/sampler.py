@@ -6,6 +6,7 @@ own generator (one per completion), so its text does not depend on what else sha
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -104,6 +105,20 @@ def greedy_tokens(logits: torch.Tensor) -> list[int]:
         if ops is not None and logits.stride(1) == 1:
             return ops.argmax(logits)
     return torch.argmax(logits, dim=-1).tolist()
+
+
+def settle_open_rows(
+    tokens: list[int], x: torch.Tensor, logits_of: Callable[[torch.Tensor], torch.Tensor]
+) -> int:
+    """Rows a greedy head screen left open (-1 in ``tokens``, :mod:`kernels.greedy_head`) get
+    the argmax of ``logits_of`` their rows of ``x`` (the float32 head: per row the same logits
+    alone or in a batch); how many there were."""
+    rest = [i for i, t in enumerate(tokens) if t < 0]
+    if rest:
+        picked = logits_of(x.index_select(0, torch.tensor(rest, dtype=torch.long)))
+        for i, t in zip(rest, greedy_tokens(picked), strict=True):
+            tokens[i] = t
+    return len(rest)
 
 
 class Sampler:

@@ -26,7 +26,7 @@ from worker.models.layers import (
     linear,
     swap_for_packed,
 )
-from worker.sampler import greedy_tokens
+from worker.sampler import settle_open_rows
 
 # Checkpoint tensors that carry no weights of ours (old exports store rotary buffers).
 _IGNORED_SUFFIXES: tuple[str, ...] = ("rotary_emb.inv_freq",)
@@ -102,15 +102,15 @@ class CausalLM(nn.Module):
         """Float32 logits ``[N, vocab]`` of the given hidden rows."""
         return linear(hidden, self.lm_head_weight).float()
 
-    def enable_greedy_screen(self) -> bool:
+    def enable_greedy_screen(self) -> str | None:
         """Give greedy rows their tokens through a bfloat16 or int16 screen of the head
         (:mod:`kernels.greedy_head`: the float32 head's tokens, bit for bit), where the head is
-        packed for the C GEMM in float32; whether it is on."""
+        packed for the C GEMM in float32; the screen's kind, or None where it is off."""
         head = self.lm_head_weight
         if isinstance(head, PanelWeight):
             tied = self.config.tie_word_embeddings and self.embed_weight.dtype == torch.float32
             self.greedy_head = GreedyHead.build(head, self.embed_weight.detach() if tied else None)
-        return self.greedy_head is not None
+        return None if self.greedy_head is None else self.greedy_head.kind
 
     @torch.inference_mode()
     def greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:
@@ -119,12 +119,7 @@ class CausalLM(nn.Module):
         if self.greedy_head is None or hidden.dtype != torch.float32:
             return None
         tokens = self.greedy_head.tokens(hidden)
-        rest = [i for i, t in enumerate(tokens) if t < 0]
-        if rest:  # rows the screen left open: the float32 head (per row the same logits)
-            idx = torch.tensor(rest, dtype=torch.long)
-            picked = self.compute_logits(hidden.index_select(0, idx))
-            for i, t in zip(rest, greedy_tokens(picked), strict=True):
-                tokens[i] = t
+        settle_open_rows(tokens, hidden, self.compute_logits)
         return tokens
 
     # ------------------------------------------------------------------ weights
