@@ -226,6 +226,34 @@ def test_requests_for_the_next_block_change_no_value(
             torch.set_num_threads(threads)
 
 
+def test_prefill_sized_calls_in_runs_of_panels_change_no_value(
+    gemm: native_gemm.NativeGemm, packing: Packing
+) -> None:
+    """Calls past the decode sizes take each thread's panels in runs, every row chunk of x over
+    one run before the next (``PS_GEMM_RUN_BYTES``): runs of one block each give the bits of a
+    build without runs, for plain, GLU and int8-widened products and both thread counts."""
+    if packing.amx:
+        pytest.skip("the AMX path has its own blocking")
+    flags = gemm_flags(gemm)
+    runs = native_gemm.load(flags=[*flags, "-DPS_GEMM_RUN_BYTES=1"])
+    whole = native_gemm.load(flags=[*flags, "-DPS_GEMM_RUN_BYTES=0"])
+    assert runs is not None and whole is not None
+    gen = torch.Generator().manual_seed(7)
+    weight, bias = torch.randn(1000, 576, generator=gen), torch.randn(1000, generator=gen)
+    x = torch.randn(300, 576, generator=gen)  # 300 rows: 4 chunks of x
+    pairs = [(packing.on(runs).pack(weight), packing.on(whole).pack(weight), bias)]
+    if packing.dtype == torch.float32:
+        pairs.append((runs.pack_glu(weight), whole.pack_glu(weight), None))
+    threads = torch.get_num_threads()
+    try:
+        for t in {1, max(2, threads)}:
+            torch.set_num_threads(t)
+            for a, b, c in pairs:
+                assert torch.equal(a.matmul(x, c), b.matmul(x, c))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def gemm_flags(gemm: native_gemm.NativeGemm) -> list[str]:
     """The flags ``gemm`` was built with (its panel width tells the build)."""
     return BUILDS["wide"] if gemm.panel_width == 32 else BUILDS["narrow"]

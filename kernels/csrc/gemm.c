@@ -607,10 +607,37 @@ static void ps_gemm_block_rows(const float *x, int64_t M, int64_t K, int64_t ldx
 #ifndef PS_GEMM_ONE_PASS_ROWS
 #define PS_GEMM_ONE_PASS_ROWS 128
 #endif
+/* Calls of more than PS_GEMM_NEXT_ROWS rows take the thread's panels in runs of at most this
+ * many bytes (0: no runs), every row chunk of x over one run before the next run starts.
+ * Why: each row chunk walks all the panels it is given, so a thread's share of a weight
+ * larger than what the L3 keeps was read from memory once per chunk (Qwen2-0.5B's gate/up,
+ * 35 MB, past a 32 MB L3 shared with the other tenants' cores: 41 chunks of 50 rows at 2048
+ * rows); in runs that the L3 keeps, each weight comes from memory once a call and x (megabytes
+ * at most, read in order) once a run. The sums are the same, in the same order. Zen 4 EPYC
+ * (1 MB L2, 32 MB L3), 2 threads, 2048 rows, bit-identical (bench/README.md, a fifty-fourth
+ * session): Qwen2-0.5B's gate/up (with SwiGLU) 1.08x (bench.gemm_ab, 7 rounds; control
+ * 1.03x), 1.09-1.10x with 2-4 MB runs in a throwaway sweep (8 MB 1.03x), its down 1.01-1.09x;
+ * the Qwen2-0.5B shape's engine on `mixed` 1.06x. The bench model's and SmolLM2's products
+ * (under 4 MB a thread) take one run, as before. */
+#ifndef PS_GEMM_RUN_BYTES
+#define PS_GEMM_RUN_BYTES (4 << 20)
+#endif
+/* PS_GEMM_RUN_BYTES, or less where the L3 is smaller than twice the team's runs (0: none). */
+static int64_t ps_gemm_run_bytes(int64_t team) {
+    static int64_t l3 = -1; /* every thread finds the same value: a benign race */
+    if (l3 < 0) {
+        const long s = sysconf(_SC_LEVEL3_CACHE_SIZE);
+        l3 = s > 0 ? s : 0;
+    }
+    const int64_t share = l3 > 0 && team > 0 ? l3 / (2 * team) : PS_GEMM_RUN_BYTES;
+    return share < PS_GEMM_RUN_BYTES ? share : PS_GEMM_RUN_BYTES;
+}
 static void ps_gemm_panels(const float *x, int64_t M, int64_t K, int64_t ldx, const float *wp,
                            int64_t N, const float *bias, const float *scale, float *y,
                            int64_t ldy, int64_t p0, int64_t p1, int bf16,
-                           const ps_gemm_glu *glu) {
+                           const ps_gemm_glu *glu, int64_t team) {
+    /* bytes of one panel as stored (int8 panels: K counts 4-byte elements, as here) */
+    const int64_t panel_bytes = K * PS_GEMM_NR * (int64_t)sizeof(float);
     float *wide = 0; /* int8 past PS_GEMM_I8_WIDEN_ROWS rows: float32 panels from here on */
     int64_t x_bytes = PS_GEMM_X_BYTES;
     if (bf16 == PS_GEMM_I8 && M > PS_GEMM_I8_WIDEN_ROWS) {
@@ -634,14 +661,24 @@ static void ps_gemm_panels(const float *x, int64_t M, int64_t K, int64_t ldx, co
     if (chunk < mr_max) chunk = mr_max;
     if (M <= PS_GEMM_ONE_PASS_ROWS && M * kc * xstep <= ps_gemm_l2_bytes() / 2)
         chunk = M;
-    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
-        const int64_t mc = M - m0 < chunk ? M - m0 : chunk;
-        const ps_gemm_glu g = glu ? (ps_gemm_glu){glu->out + m0 * glu->ldo, glu->ldo, glu->up}
-                                  : (ps_gemm_glu){0, 0, 0};
-        ps_gemm_block_rows(x + m0 * ldx, mc, K, ldx, wp, N, bias, scale,
-                           y ? y + m0 * ldy : 0, ldy, p0, p1, kc, per_block,
-                           ahead ? (m0 + mc < M ? 2 : 1) : 0, bf16, glu ? &g : 0, mr_max,
-                           wide);
+    /* runs of whole blocks (PS_GEMM_RUN_BYTES); one run where there are no chunks to share */
+    int64_t run = p1 - p0;
+    if (PS_GEMM_RUN_BYTES > 0 && M > PS_GEMM_NEXT_ROWS && chunk < M) {
+        const int64_t blocks = ps_gemm_run_bytes(team) / (per_block * panel_bytes);
+        run = (blocks > 1 ? blocks : 1) * per_block;
+    }
+    for (int64_t q0 = p0; q0 < p1; q0 += run) {
+        const int64_t q1 = q0 + run < p1 ? q0 + run : p1;
+        for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+            const int64_t mc = M - m0 < chunk ? M - m0 : chunk;
+            const ps_gemm_glu g =
+                glu ? (ps_gemm_glu){glu->out + m0 * glu->ldo, glu->ldo, glu->up}
+                    : (ps_gemm_glu){0, 0, 0};
+            ps_gemm_block_rows(x + m0 * ldx, mc, K, ldx, wp, N, bias, scale,
+                               y ? y + m0 * ldy : 0, ldy, q0, q1, kc, per_block,
+                               ahead ? (m0 + mc < M ? 2 : 1) : 0, bf16, glu ? &g : 0, mr_max,
+                               wide);
+        }
     }
 }
 
@@ -675,7 +712,7 @@ static void ps_gemm_threads(const float *x, int64_t M, int64_t K, int64_t ldx, c
         int64_t t, nt;
         ps_gemm_member(&t, &nt);
         const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
-        ps_gemm_panels(x, M, K, ldx, wp, N, bias, scale, y, ldy, p0, p1, bf16, glu);
+        ps_gemm_panels(x, M, K, ldx, wp, N, bias, scale, y, ldy, p0, p1, bf16, glu, nt);
     }
 }
 
