@@ -219,11 +219,19 @@ def _i16_reference(xq: torch.Tensor, q: torch.Tensor, cols: torch.Tensor, rs: to
 
 
 @pytest.mark.parametrize(
-    "extra", [[], ["-mno-avx512f"], ["-mno-avx512f", "-mno-avxvnni"], ["-mno-avx2", "-mno-avx512f"]]
+    "extra",
+    [
+        [],
+        ["-mno-avx512vnni", "-mno-avxvnni"],
+        ["-mno-avx512f"],
+        ["-mno-avx512f", "-mno-avxvnni"],
+        ["-mno-avx2", "-mno-avx512f"],
+    ],
 )
 def test_int16_screen_sums_are_exact_in_every_build(extra: list[str]) -> None:
-    """The native build (AVX-512 with VNNI where the CPU has it), AVX2 with and without AVX-VNNI,
-    and plain C: every value the float32 of the exact sum, scaled; with every product at the
+    """The native build (AVX-512 with VNNI where the CPU has it), AVX-512 without VNNI (a
+    Skylake-SP's code: vpmaddwd and adds), AVX2 with and without AVX-VNNI, and plain C: every
+    value the float32 of the exact sum, scaled; with every product at the
     largest the levels allow (K L^2 just below 2^31) and at random; row counts that split into
     tiles of every height."""
     lib = native_gemm.load(flags=[*native.FLAGS, *extra])
