@@ -492,14 +492,20 @@ static void ps_gemm_i8_widen(const float *wp, const float *scale, int64_t K4, in
     }
 }
 
+/* Bytes of a cache level (sysconf's _SC_LEVEL2_CACHE_SIZE, ...; 0 where the C library cannot
+ * tell), looked up once into *cached (every thread finds the same value: a benign race). */
+static int64_t ps_gemm_cache_bytes(int64_t *cached, int name) {
+    if (*cached < 0) {
+        const long s = sysconf(name);
+        *cached = s > 0 ? s : 0;
+    }
+    return *cached;
+}
+
 /* Bytes of this core's L2 (0 where the C library cannot tell). */
 static int64_t ps_gemm_l2_bytes(void) {
-    static int64_t bytes = -1; /* every thread finds the same value: a benign race */
-    if (bytes < 0) {
-        const long s = sysconf(_SC_LEVEL2_CACHE_SIZE);
-        bytes = s > 0 ? s : 0;
-    }
-    return bytes;
+    static int64_t bytes = -1;
+    return ps_gemm_cache_bytes(&bytes, _SC_LEVEL2_CACHE_SIZE);
 }
 
 /* Bytes of weight panels per block: PS_GEMM_BLOCK_BYTES, or in calls of more than
@@ -622,13 +628,11 @@ static void ps_gemm_block_rows(const float *x, int64_t M, int64_t K, int64_t ldx
 #ifndef PS_GEMM_RUN_BYTES
 #define PS_GEMM_RUN_BYTES (4 << 20)
 #endif
-/* PS_GEMM_RUN_BYTES, or less where the L3 is smaller than twice the team's runs (0: none). */
+/* A run's bytes for a team of ``team`` threads: PS_GEMM_RUN_BYTES, or less where the team's
+ * runs would fill over half the L3 (PS_GEMM_RUN_BYTES where the L3's size is unknown). */
 static int64_t ps_gemm_run_bytes(int64_t team) {
-    static int64_t l3 = -1; /* every thread finds the same value: a benign race */
-    if (l3 < 0) {
-        const long s = sysconf(_SC_LEVEL3_CACHE_SIZE);
-        l3 = s > 0 ? s : 0;
-    }
+    static int64_t bytes = -1;
+    const int64_t l3 = ps_gemm_cache_bytes(&bytes, _SC_LEVEL3_CACHE_SIZE);
     const int64_t share = l3 > 0 && team > 0 ? l3 / (2 * team) : PS_GEMM_RUN_BYTES;
     return share < PS_GEMM_RUN_BYTES ? share : PS_GEMM_RUN_BYTES;
 }
